@@ -1,0 +1,1 @@
+"""SiftAttention: power-law guided dynamic sifting of attention for LLM decoding."""
