@@ -1,1 +1,40 @@
-"""SiftAttention: power-law guided dynamic sifting of attention for LLM decoding."""
+"""SiftAttention: power-law guided dynamic sifting of attention for LLM decoding.
+
+Public API::
+
+    from siftattention import apply, Full, TopK, H2O, Sift, Oracle, load_model
+    model, tokenizer = load_model("smollm2-135m")
+    with apply(model, Sift(tau=0.875, warmup=128)) as handle:
+        model.generate(...)
+
+Imports are lazy so that ``siftattention.kernels`` and the CLI start quickly.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "apply": "siftattention.hf",
+    "SiftHandle": "siftattention.hf",
+    "UnsupportedModelError": "siftattention.hf",
+    "Method": "siftattention.methods",
+    "Full": "siftattention.methods",
+    "TopK": "siftattention.methods",
+    "H2O": "siftattention.methods",
+    "Sift": "siftattention.methods",
+    "Oracle": "siftattention.methods",
+    "parse_method": "siftattention.methods",
+    "load_model": "siftattention.models",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'siftattention' has no attribute {name!r}")

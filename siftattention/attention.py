@@ -1,0 +1,112 @@
+"""Reference attention with a method applied (plain torch, any device).
+
+One call handles one layer: the scores of the query rows against the valid keys,
+chunked over rows to bound memory, the method's selection, and the output
+``sum_kept p_i v_i`` (divided by the kept mass when the method renormalises).
+Every row is one generation step unless the caller marks it as prefill.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .methods.base import Method, Rows
+
+#: Soft bound on the elements of one chunk's [B, H, R, K] score block.
+CHUNK_ELEMENTS = 1 << 24
+
+
+@dataclass
+class LayerRecord:
+    """Per-row record of one layer since the last reset: what realized sparsity is made of."""
+
+    steps: list[torch.Tensor] = field(default_factory=list)  # [B, R] step S of each recorded row
+    kept: list[torch.Tensor] = field(default_factory=list)  # [B, H, R] keys kept
+    approx: list[torch.Tensor] = field(default_factory=list)  # [B, R] approximated (post-warmup) rows
+
+    def add(self, steps: torch.Tensor, kept: torch.Tensor, approx: torch.Tensor) -> None:
+        self.steps.append(steps.detach().to("cpu", torch.int32))
+        self.kept.append(kept.detach().to("cpu", torch.int32))
+        self.approx.append(approx.detach().cpu())
+
+
+def valid_keys(mask: torch.Tensor | None, q_len: int, k_len: int, batch: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Boolean [B, 1, Q, K] validity and an optional float bias from an attention mask.
+
+    Accepts the boolean masks our mask function registers, and additive float masks
+    (0 = attend, very negative = masked) that callers may pass directly.
+    """
+    if mask is None:
+        rows = torch.arange(q_len, device=device)[:, None] + (k_len - q_len)
+        valid = (torch.arange(k_len, device=device)[None, :] <= rows)[None, None].expand(batch, 1, q_len, k_len)
+        return valid, None
+    mask = mask[..., :k_len]
+    if mask.dtype == torch.bool:
+        return mask.expand(batch, 1, q_len, k_len), None
+    valid = mask > torch.finfo(mask.dtype).min / 2
+    bias = torch.where(valid, mask, torch.zeros_like(mask)).float()
+    return valid.expand(batch, 1, q_len, k_len), bias
+
+
+def method_attention(
+    method: Method,
+    state: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    valid: torch.Tensor,
+    *,
+    scaling: float,
+    bias: torch.Tensor | None = None,
+    softcap: float | None = None,
+    prefill: bool = False,
+    record: LayerRecord | None = None,
+) -> torch.Tensor:
+    """Attention of ``query`` [B, Hq, Q, D] over ``key``/``value`` [B, Hkv, K, D] with ``method``.
+
+    ``valid`` [B, 1, Q, K] marks the causally valid keys of each row. With ``prefill``
+    the rows are computed exactly and only shown to the method (decode mode's prompt).
+    Returns [B, Hq, Q, D] in the query's dtype.
+    """
+    B, Hq, Q, D = query.shape
+    K = key.shape[2]
+    groups = Hq // key.shape[1]
+    # GQA: selection is per query head, so expand the KV heads to the query heads.
+    k_rep = key.repeat_interleave(groups, dim=1) if groups > 1 else key
+    v_rep = value.repeat_interleave(groups, dim=1) if groups > 1 else value
+    steps_all = valid[:, 0].sum(-1)  # [B, Q]
+    last_step = steps_all.amax(dim=1)
+    out = query.new_empty(B, Hq, Q, value.shape[-1])
+    chunk = max(1, CHUNK_ELEMENTS // max(1, B * Hq * K))
+    for r0 in range(0, Q, chunk):
+        r1 = min(Q, r0 + chunk)
+        scores = torch.matmul(query[:, :, r0:r1], k_rep.transpose(2, 3)).float() * scaling
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        if bias is not None:
+            scores = scores + bias[:, :, r0:r1]
+        row_valid = valid[:, :, r0:r1]
+        scores = scores.masked_fill(~row_valid, float("-inf"))
+        # Rows with no valid key (left padding) get zeros rather than NaN.
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+        steps = steps_all[:, r0:r1]
+        is_step = (steps > 0) & (not prefill)
+        rows = Rows(probs=probs, valid=row_valid, steps=steps, is_step=is_step, last_step=last_step)
+        if prefill:
+            method.observe_prefill(rows, state)
+            weights = probs
+        else:
+            sel = method.select(rows, state)
+            weights = sel.probs if sel.probs is not None else probs
+            if sel.keep is not None:
+                weights = weights * sel.keep
+                if method.renormalize:
+                    weights = weights / weights.sum(-1, keepdim=True).clamp(min=torch.finfo(weights.dtype).tiny)
+            if record is not None:
+                kept = (sel.keep & row_valid).sum(-1) if sel.keep is not None else steps[:, None, :].expand(B, Hq, -1)
+                record.add(steps, kept, sel.approx & is_step)
+        out[:, :, r0:r1] = torch.matmul(weights.to(v_rep.dtype), v_rep)
+    return out

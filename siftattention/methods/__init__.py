@@ -1,0 +1,74 @@
+"""Attention methods: Full, TopK, H2O, Sift, Oracle, and the ``name:key=value`` spec grammar."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+from .base import Method, Rows, Selection
+from .full import Full
+from .h2o import H2O
+from .oracle import Oracle
+from .sift import Sift
+from .topk import TopK
+
+METHODS: dict[str, type[Method]] = {cls.name: cls for cls in (Full, TopK, H2O, Sift, Oracle)}
+
+SPEC_HELP = """Method spec grammar: NAME[:KEY=VALUE[,KEY=VALUE...]]
+  full
+  topk:k=0.125[,renormalize=true]          keep the ceil(k*S) largest scores
+  h2o:k=0.125[,heavy_ratio=0.5]            heavy-hitter + recent eviction, budget k
+  sift:tau=0.875,warmup=128[,renormalize=false][,warmup_source=decode|prefill]
+  oracle:tau=0.875[,renormalize=false]     exact per-step tau-quantile threshold
+Booleans: true/false/1/0/yes/no."""
+
+
+class SpecError(ValueError):
+    """A method spec that cannot be parsed; the message names the bad part."""
+
+
+def _convert(method: str, key: str, text: str, default: object) -> object:
+    if isinstance(default, bool):
+        low = text.lower()
+        if low in ("true", "1", "yes"):
+            return True
+        if low in ("false", "0", "no"):
+            return False
+        raise SpecError(f"{method}: {key}={text!r} is not a boolean (true/false)")
+    if isinstance(default, int):
+        try:
+            return int(text)
+        except ValueError:
+            raise SpecError(f"{method}: {key}={text!r} is not an integer") from None
+    if isinstance(default, float):
+        try:
+            return float(text)
+        except ValueError:
+            raise SpecError(f"{method}: {key}={text!r} is not a number") from None
+    return text
+
+
+def parse_method(spec: str) -> Method:
+    """Build a method from ``name:key=value,...``; raises SpecError naming the bad part."""
+    spec = spec.strip()
+    name, _, args = spec.partition(":")
+    name = name.strip().lower()
+    if name not in METHODS:
+        raise SpecError(f"unknown method {name!r} in {spec!r}; known: {', '.join(METHODS)}")
+    cls = METHODS[name]
+    defaults = {f.name: f.default for f in fields(cls)}  # type: ignore[arg-type]
+    kwargs: dict[str, object] = {}
+    for part in filter(None, (p.strip() for p in args.split(","))):
+        key, eq, value = part.partition("=")
+        key = key.strip()
+        if not eq:
+            raise SpecError(f"{name}: {part!r} is not key=value")
+        if key not in defaults:
+            raise SpecError(f"{name}: unknown parameter {key!r}; allowed: {', '.join(defaults) or 'none'}")
+        kwargs[key] = _convert(name, key, value.strip(), defaults[key])
+    try:
+        return cls(**kwargs)
+    except ValueError as err:
+        raise SpecError(f"{name}: {err}") from None
+
+
+__all__ = ["METHODS", "SPEC_HELP", "Full", "H2O", "Method", "Oracle", "Rows", "Selection", "Sift", "SpecError", "TopK", "parse_method"]

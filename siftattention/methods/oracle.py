@@ -1,0 +1,30 @@
+"""Oracle: SiftAttention's rule with the exact per-step tau-quantile as threshold.
+
+The best a power-law prediction could do; comparing Sift against it isolates the
+prediction error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..powerlaw import masked_quantile
+from .base import Method, Rows, Selection, check_fraction, keep_row_max
+
+
+@dataclass
+class Oracle(Method):
+    """Keep keys with p > theta_S(tau), the row's exact tau-quantile (and the row's maximum)."""
+
+    tau: float = 0.875
+    renormalize: bool = False
+    name = "oracle"
+
+    def __post_init__(self) -> None:
+        self.tau = check_fraction("tau", self.tau)
+
+    def select(self, rows: Rows, state: None) -> Selection:
+        valid = rows.valid.expand_as(rows.probs)
+        eta = masked_quantile(rows.probs, valid, self.tau)
+        keep = keep_row_max(rows.probs, (rows.probs > eta.unsqueeze(-1)) & valid)
+        return Selection(keep=keep, approx=rows.is_step)

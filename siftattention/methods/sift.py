@@ -1,0 +1,114 @@
+"""SiftAttention (the paper's Algorithms 1 and 2).
+
+Warmup: the first ``warmup`` generation steps of each sequence are exact and record
+theta_S, the tau-quantile of each head's attention probabilities. At the end of the
+warmup, ``log theta`` is regressed on ``log S`` per (sequence, head). Afterwards a
+key is kept when its probability exceeds the predicted eta_S = alpha * S^-beta.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from ..powerlaw import fit_power_law, masked_quantile, predict
+from .base import Method, Rows, Selection, check_fraction, keep_row_max
+
+
+@dataclass
+class SiftState:
+    """Per-(sequence, head) state of one layer."""
+
+    thetas: torch.Tensor  # [B, H, w] recorded quantiles
+    theta_steps: torch.Tensor  # [B, w] the step S of each recorded quantile
+    count: torch.Tensor  # [B] recorded so far
+    fitted: torch.Tensor  # [B] bool
+    alpha: torch.Tensor  # [B, H]
+    beta: torch.Tensor  # [B, H]
+    r2: torch.Tensor  # [B, H] in-sample R^2 of the warmup fit
+
+
+@dataclass
+class Sift(Method):
+    """Power-law guided threshold: keep keys with p > alpha * S^-beta after a warmup."""
+
+    tau: float = 0.875
+    warmup: int = 128
+    renormalize: bool = False
+    warmup_source: Literal["decode", "prefill"] = "decode"
+    name = "sift"
+
+    def __post_init__(self) -> None:
+        self.tau = check_fraction("tau", self.tau)
+        if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 2:
+            raise ValueError(f"warmup must be an integer >= 2, got {self.warmup!r}")
+        if self.warmup_source not in ("decode", "prefill"):
+            raise ValueError(f"warmup_source must be 'decode' or 'prefill', got {self.warmup_source!r}")
+
+    def new_state(self, batch: int, heads: int, device: torch.device) -> SiftState:
+        f32 = dict(dtype=torch.float32, device=device)
+        return SiftState(
+            thetas=torch.zeros(batch, heads, self.warmup, **f32),
+            theta_steps=torch.ones(batch, self.warmup, **f32),
+            count=torch.zeros(batch, dtype=torch.long, device=device),
+            fitted=torch.zeros(batch, dtype=torch.bool, device=device),
+            alpha=torch.ones(batch, heads, **f32),
+            beta=torch.zeros(batch, heads, **f32),
+            r2=torch.zeros(batch, heads, **f32),
+        )
+
+    def _record(self, rows: Rows, state: SiftState, record: torch.Tensor, slot: torch.Tensor) -> None:
+        """Store theta of the rows in ``record`` ([B, R] bool) at buffer position ``slot``."""
+        b_idx, r_idx = record.nonzero(as_tuple=True)
+        if b_idx.numel() == 0:
+            return
+        probs = rows.probs[b_idx, :, r_idx]  # [n, H, K]
+        valid = rows.valid[b_idx, :, r_idx].expand_as(probs)
+        theta = masked_quantile(probs, valid, self.tau)
+        pos = slot[b_idx, r_idx]
+        state.thetas[b_idx, :, pos] = theta
+        state.theta_steps[b_idx, pos] = rows.steps[b_idx, r_idx].float()
+
+    def _fit(self, state: SiftState, which: torch.Tensor) -> None:
+        """Fit the sequences in ``which`` ([B] bool) on their recorded points."""
+        if not bool(which.any()):
+            return
+        n = state.count[which]
+        points = torch.arange(self.warmup, device=n.device)[None, :] < n[:, None]
+        fit = fit_power_law(state.theta_steps[which][:, None, :], state.thetas[which], points[:, None, :])
+        state.alpha[which] = fit.alpha.float()
+        state.beta[which] = fit.beta.float()
+        state.r2[which] = fit.r2.float()
+        state.fitted |= which
+
+    def select(self, rows: Rows, state: SiftState) -> Selection:
+        # Index of each step row within its sequence's steps: warmup rows come first.
+        order = state.count[:, None] + torch.cumsum(rows.is_step.long(), dim=1) - 1
+        warm = rows.is_step & (order < self.warmup) & ~state.fitted[:, None]
+        self._record(rows, state, warm, order.clamp(max=self.warmup - 1))
+        state.count += warm.sum(dim=1)
+        self._fit(state, (state.count >= self.warmup) & ~state.fitted)
+
+        approx = rows.is_step & ~warm & state.fitted[:, None]
+        if not bool(approx.any()):
+            return Selection(keep=None, approx=approx)
+        eta = predict(state.alpha[:, :, None], state.beta[:, :, None], rows.steps[:, None, :].float())  # [B, H, R]
+        keep = keep_row_max(rows.probs, rows.probs > eta.unsqueeze(-1)) & rows.valid
+        keep = torch.where(approx[:, None, :, None], keep, rows.valid)
+        return Selection(keep=keep, approx=approx)
+
+    def observe_prefill(self, rows: Rows, state: SiftState) -> None:
+        """warmup_source='prefill': record the last ``warmup`` prompt rows (all if shorter)."""
+        if self.warmup_source != "prefill":
+            return
+        n_total = rows.last_step.clamp(max=self.warmup)[:, None]
+        first = rows.last_step[:, None] - n_total  # rows with S > first are recorded
+        record = (rows.steps > first) & (rows.steps > 0)
+        self._record(rows, state, record, (rows.steps - first - 1).clamp(0, self.warmup - 1))
+        state.count = n_total[:, 0].clone()
+
+    def finish_prefill(self, state: SiftState) -> None:
+        if self.warmup_source == "prefill":
+            self._fit(state, (state.count >= 2) & ~state.fitted)

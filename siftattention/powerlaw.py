@@ -1,0 +1,130 @@
+"""Quantiles of attention rows and the power law theta_S ~ alpha * S^-beta.
+
+Everything here is batched over leading dimensions and works on any device.
+The fit is the paper's closed-form least squares of ``log theta`` on ``log S``;
+R^2 is measured in log space (paper, Section 3.1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def masked_quantile(values: torch.Tensor, valid: torch.Tensor | None, tau: float) -> torch.Tensor:
+    """tau-quantile of the last dimension over the entries where ``valid`` is True.
+
+    Linear interpolation between order statistics (``torch.quantile``'s default),
+    so a row with one valid entry returns that entry. Sorting is done per row,
+    which avoids ``torch.quantile``'s 2^24-element limit. Rows with no valid entry
+    return 0.
+    """
+    if valid is None:
+        valid = torch.ones_like(values, dtype=torch.bool)
+    n = valid.sum(dim=-1)
+    # Invalid entries sort to the end, out of the way of the n valid ones.
+    filled = torch.where(valid, values, torch.full_like(values, float("inf")))
+    ordered, _ = torch.sort(filled, dim=-1)
+    pos = tau * (n.clamp(min=1) - 1).to(torch.float64)
+    lo = pos.floor().long()
+    hi = pos.ceil().long()
+    frac = (pos - lo.to(torch.float64)).to(values.dtype)
+    lo_val = ordered.gather(-1, lo.unsqueeze(-1)).squeeze(-1)
+    hi_val = ordered.gather(-1, hi.unsqueeze(-1)).squeeze(-1)
+    out = lo_val + (hi_val - lo_val) * frac
+    return torch.where(n > 0, out, torch.zeros_like(out))
+
+
+def _safe_log(theta: torch.Tensor) -> torch.Tensor:
+    """log of theta clamped to the dtype's smallest positive value; non-finite -> that floor."""
+    tiny = torch.finfo(theta.dtype).tiny
+    theta = torch.nan_to_num(theta, nan=tiny, posinf=1.0, neginf=tiny)
+    return theta.clamp(min=tiny).log()
+
+
+@dataclass
+class PowerLawFit:
+    """Batched fit results: ``theta_S ~ alpha * S^-beta`` with its in-sample R^2."""
+
+    alpha: torch.Tensor
+    beta: torch.Tensor
+    r2: torch.Tensor
+
+    def predict(self, steps: torch.Tensor | float) -> torch.Tensor:
+        """Thresholds at ``steps`` ([..., n] against fits of shape [...])."""
+        steps = torch.as_tensor(steps, dtype=self.alpha.dtype, device=self.alpha.device)
+        if steps.dim() == 0:
+            return predict(self.alpha, self.beta, steps)
+        return predict(self.alpha.unsqueeze(-1), self.beta.unsqueeze(-1), steps)
+
+
+def fit_power_law(
+    steps: torch.Tensor, thetas: torch.Tensor, valid: torch.Tensor | None = None
+) -> PowerLawFit:
+    """Closed-form least squares of ``log theta`` on ``log S`` over the last dimension.
+
+    ``steps`` broadcasts against ``thetas`` ([..., n]); ``valid`` masks out points.
+    A degenerate fit (fewer than two distinct steps, or non-finite results) falls
+    back to ``beta = 0`` and ``alpha`` = geometric mean of the points, so a
+    prediction is always finite.
+    """
+    dtype = torch.float64
+    thetas = thetas.to(dtype)
+    x = torch.as_tensor(steps, dtype=dtype, device=thetas.device).clamp(min=1).log()
+    x = x.expand_as(thetas)
+    y = _safe_log(thetas)
+    w = torch.ones_like(y) if valid is None else valid.to(dtype).expand_as(y)
+    n = w.sum(-1)
+    n_safe = n.clamp(min=1)
+    x_mean = (w * x).sum(-1) / n_safe
+    y_mean = (w * y).sum(-1) / n_safe
+    dx = (x - x_mean.unsqueeze(-1)) * w
+    dy = (y - y_mean.unsqueeze(-1)) * w
+    sxx = (dx * dx).sum(-1)
+    sxy = (dx * dy).sum(-1)
+    ok = sxx > 1e-12
+    slope = torch.where(ok, sxy / torch.where(ok, sxx, torch.ones_like(sxx)), torch.zeros_like(sxx))
+    intercept = y_mean - slope * x_mean
+    finite = torch.isfinite(slope) & torch.isfinite(intercept)
+    slope = torch.where(finite, slope, torch.zeros_like(slope))
+    intercept = torch.where(finite, intercept, torch.zeros_like(intercept))
+    alpha = intercept.exp()
+    beta = -slope
+    r2 = r_squared(torch.as_tensor(steps, dtype=dtype, device=thetas.device), thetas, alpha, beta, valid)
+    return PowerLawFit(alpha=alpha, beta=beta, r2=r2)
+
+
+def r_squared(
+    steps: torch.Tensor,
+    thetas: torch.Tensor,
+    alpha: torch.Tensor,
+    beta: torch.Tensor,
+    valid: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The paper's R^2 in log space: ``1 - sum (l - l_hat)^2 / sum (l - mean l)^2``.
+
+    Evaluated over the points where ``valid`` holds, for any (alpha, beta), so it
+    also gives the out-of-sample R^2 of a warmup fit (which can be negative). A
+    constant series has R^2 = 1 if predicted exactly, else 0.
+    """
+    dtype = torch.float64
+    thetas = thetas.to(dtype)
+    y = _safe_log(thetas)
+    steps = torch.as_tensor(steps, dtype=dtype, device=y.device)
+    y_hat = _safe_log(predict(alpha.to(dtype).unsqueeze(-1), beta.to(dtype).unsqueeze(-1), steps).expand_as(y))
+    w = torch.ones_like(y) if valid is None else valid.to(dtype).expand_as(y)
+    n = w.sum(-1).clamp(min=1)
+    y_mean = (w * y).sum(-1, keepdim=True) / n.unsqueeze(-1)
+    ss_res = (w * (y - y_hat) ** 2).sum(-1)
+    ss_tot = (w * (y - y_mean) ** 2).sum(-1)
+    flat = ss_tot <= 1e-12
+    r2 = 1.0 - ss_res / torch.where(flat, torch.ones_like(ss_tot), ss_tot)
+    return torch.where(flat, (ss_res <= 1e-12).to(dtype), r2)
+
+
+def predict(alpha: torch.Tensor, beta: torch.Tensor, steps: torch.Tensor | float) -> torch.Tensor:
+    """``alpha * S^-beta`` with ordinary broadcasting; always finite, never NaN."""
+    steps = torch.as_tensor(steps, dtype=alpha.dtype, device=alpha.device).clamp(min=1)
+    out = torch.exp(alpha.clamp(min=torch.finfo(alpha.dtype).tiny).log() - beta * steps.log())
+    return torch.nan_to_num(out, nan=0.0, posinf=torch.finfo(out.dtype).max, neginf=0.0)
