@@ -83,12 +83,16 @@ def method_attention(
     chunk = max(1, CHUNK_ELEMENTS // max(1, B * Hq * K))
     for r0 in range(0, Q, chunk):
         r1 = min(Q, r0 + chunk)
-        scores = torch.matmul(query[:, :, r0:r1], k_rep.transpose(2, 3)).float() * scaling
+        # Causal rows see only a prefix of the keys: work on [0, kmax) to skip the rest.
+        row_valid = valid[:, :, r0:r1]
+        seen = row_valid.any(dim=2).any(dim=1).any(dim=0).nonzero()
+        kmax = int(seen[-1]) + 1 if seen.numel() else 1
+        row_valid = row_valid[..., :kmax]
+        scores = torch.matmul(query[:, :, r0:r1], k_rep[:, :, :kmax].transpose(2, 3)).float() * scaling
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
         if bias is not None:
-            scores = scores + bias[:, :, r0:r1]
-        row_valid = valid[:, :, r0:r1]
+            scores = scores + bias[:, :, r0:r1, :kmax]
         scores = scores.masked_fill(~row_valid, float("-inf"))
         # Rows with no valid key (left padding) get zeros rather than NaN.
         probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
@@ -108,5 +112,5 @@ def method_attention(
             if record is not None:
                 kept = (sel.keep & row_valid).sum(-1) if sel.keep is not None else steps[:, None, :].expand(B, Hq, -1)
                 record.add(steps, kept, sel.approx & is_step)
-        out[:, :, r0:r1] = torch.matmul(weights.to(v_rep.dtype), v_rep)
+        out[:, :, r0:r1] = torch.matmul(weights.to(v_rep.dtype), v_rep[:, :, :kmax])
     return out

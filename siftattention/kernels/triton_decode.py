@@ -1,0 +1,446 @@
+"""Triton kernels for the sift decode step (backend="triton").
+
+One query token per sequence, memory bound. The pipeline, per call:
+
+1. ``_scores_kernel`` (split-K over the sequence, one program per (split, batch, KV
+   head), all query heads of the GQA group together): reads every K row once,
+   writes float32 scores in the log2 domain (``s2 = scale * log2(e) * q.k``, 4 bytes
+   per key and query head, vs 2*D bytes of K per key) and per-split softmax
+   statistics (max, sum of exp2, first argmax, and the min for the warmup search).
+2. ``_quantile_kernel`` (warmup only, one program per (batch, query head)): exact
+   tau-quantile of the probabilities by a 16-way search over the order-preserving
+   integer image of the float32 scores (no sort; 9 passes over the row at most, on
+   scores that pass 1 just left in L2).
+3. ``_filter_kernel`` (split-K): merges the split statistics into the row max ``M``
+   and normaliser ``L``, turns eta into the log2-domain threshold
+   ``M + log2(eta) + log2(L)``, reads the stored scores and loads only the V rows
+   that some head of the group keeps (masked loads: a fully masked row issues no
+   memory request). Partial outputs are already divided by ``L``, so splits add up.
+4. ``_combine_kernel``: sums the split partials, renormalises if asked, writes the
+   output in the input dtype and the kept counts.
+
+No step reads a tensor value on the host, so the whole call can be captured in a
+CUDA graph and eta can be computed on the device.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+_INT_MAX = 2147483647
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Launch parameters. ``None`` fields are filled by :func:`default_config`."""
+
+    block_n1: int = 64  # keys per iteration in the scores pass
+    warps1: int = 4
+    stages1: int = 3
+    programs1: int = 4  # target programs per SM for the scores pass (sets the split)
+    block_n2: int = 64  # keys per iteration in the filter pass
+    warps2: int = 4
+    stages2: int = 3
+    programs2: int = 4
+    use_dot: bool | None = None  # tensor-core dot for QK and PV; None: when G >= 4
+    quantile_block: int = 1024
+    quantile_warps: int = 8
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # interpreter: a few splits so tests exercise the combine step
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def _split(s_max: int, rows: int, block_n: int, programs_per_sm: int, sms: int) -> tuple[int, int]:
+    """(split length, number of splits): enough programs to fill the chip."""
+    n_blocks = triton.cdiv(s_max, block_n)
+    want = max(1, triton.cdiv(programs_per_sm * sms, rows))
+    splits = min(want, n_blocks)
+    split_len = triton.cdiv(n_blocks, splits) * block_n
+    return split_len, triton.cdiv(s_max, split_len)
+
+
+# --------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _scores_kernel(
+    Q, K, Scores, Mst, Lst, Ast, Nst, SeqLens,
+    stride_qb, stride_qh, stride_qd,
+    stride_kb, stride_kh, stride_ks, stride_kd,
+    qk_scale, S_MAX, SPLIT_LEN, NUM_SPLITS,
+    HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_SEQ_LENS: tl.constexpr, USE_DOT: tl.constexpr, DOT_PREC: tl.constexpr,
+    TRACK_MIN: tl.constexpr,
+):
+    split = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // HKV
+    hkv = bh % HKV
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    g_mask = offs_g < G
+    d_mask = offs_d < D
+    h = hkv * G + offs_g
+    row = b.to(tl.int64) * HQ + h  # (batch, query head) row index into Scores / stats
+
+    q = tl.load(
+        Q + b.to(tl.int64) * stride_qb + h[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+        mask=g_mask[:, None] & d_mask[None, :], other=0.0,
+    )
+    if HAS_SEQ_LENS:
+        seq_len = tl.minimum(tl.load(SeqLens + b), S_MAX)
+    else:
+        seq_len = S_MAX
+    start = split * SPLIT_LEN
+    end = tl.minimum(start + SPLIT_LEN, seq_len)
+
+    k_base = K + b.to(tl.int64) * stride_kb + hkv.to(tl.int64) * stride_kh
+    s_base = Scores + row[:, None] * S_MAX
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    a_i = tl.zeros([BLOCK_G], tl.int32)
+    n_i = tl.full([BLOCK_G], float("inf"), tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        offs = n0 + offs_n
+        n_mask = offs < end
+        k = tl.load(
+            k_base + offs[:, None].to(tl.int64) * stride_ks + offs_d[None, :] * stride_kd,
+            mask=n_mask[:, None] & d_mask[None, :], other=0.0,
+        )
+        if USE_DOT:
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+        else:
+            s = tl.sum(q[:, None, :].to(tl.float32) * k[None, :, :].to(tl.float32), axis=2)
+        # Scale after the fp32 dot: rounding a pre-scaled q to fp16 would cost accuracy.
+        s = tl.where(n_mask[None, :], s * qk_scale, float("-inf"))
+        tl.store(s_base + offs[None, :], s, mask=g_mask[:, None] & n_mask[None, :])
+        m_blk = tl.max(s, axis=1)
+        a_blk = tl.argmax(s, axis=1).to(tl.int32) + n0
+        a_i = tl.where(m_blk > m_i, a_blk, a_i)  # strict: keeps the first argmax
+        m_new = tl.maximum(m_i, m_blk)
+        l_i = l_i * tl.math.exp2(m_i - m_new) + tl.sum(tl.math.exp2(s - m_new[:, None]), axis=1)
+        m_i = m_new
+        if TRACK_MIN:
+            n_i = tl.minimum(n_i, tl.min(tl.where(n_mask[None, :], s, float("inf")), axis=1))
+
+    st = row * NUM_SPLITS + split
+    tl.store(Mst + st, m_i, mask=g_mask)
+    tl.store(Lst + st, l_i, mask=g_mask)
+    tl.store(Ast + st, a_i, mask=g_mask)
+    if TRACK_MIN:
+        tl.store(Nst + st, n_i, mask=g_mask)
+
+
+@triton.jit
+def _row_stats(Mst, Lst, row, g_mask, NUM_SPLITS, BLOCK_S: tl.constexpr):
+    """Merge per-split (max, sum) into the row max M and normaliser L (log2 domain)."""
+    offs_s = tl.arange(0, BLOCK_S)
+    ptr = row[:, None] * NUM_SPLITS + offs_s[None, :]
+    msk = g_mask[:, None] & (offs_s[None, :] < NUM_SPLITS)
+    mst = tl.load(Mst + ptr, mask=msk, other=float("-inf"))
+    lst = tl.load(Lst + ptr, mask=msk, other=0.0)
+    m = tl.max(mst, axis=1)
+    m = tl.where(g_mask, m, 0.0)  # padded heads: keep arithmetic finite
+    l = tl.sum(tl.where(msk, lst * tl.math.exp2(mst - m[:, None]), 0.0), axis=1)
+    return m, l, mst, ptr, msk
+
+
+@triton.jit
+def _filter_kernel(
+    V, Scores, Mst, Lst, Ast, Eta, SeqLens, Part, Cnt, Mass,
+    stride_vb, stride_vh, stride_vs, stride_vd,
+    S_MAX, SPLIT_LEN, NUM_SPLITS1, NUM_SPLITS2,
+    HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S1: tl.constexpr,
+    HAS_SEQ_LENS: tl.constexpr, USE_DOT: tl.constexpr, DOT_PREC: tl.constexpr,
+    KEEP_ALL: tl.constexpr,
+):
+    split = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // HKV
+    hkv = bh % HKV
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    g_mask = offs_g < G
+    d_mask = offs_d < D
+    h = hkv * G + offs_g
+    row = b.to(tl.int64) * HQ + h
+
+    m, l, mst, ptr, msk = _row_stats(Mst, Lst, row, g_mask, NUM_SPLITS1, BLOCK_S1)
+    inv_l = 1.0 / tl.where(g_mask, l, 1.0)
+    if KEEP_ALL:
+        thr = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        amax = tl.full([BLOCK_G], -1, tl.int32)
+    else:
+        ast = tl.load(Ast + ptr, mask=msk, other=_INT_MAX)
+        amax = tl.min(tl.where(mst == m[:, None], ast, _INT_MAX), axis=1)
+        eta = tl.load(Eta + row, mask=g_mask, other=1.0)
+        # p > eta  <=>  s2 > M + log2(eta) + log2(L)   (eta <= 0 gives -inf: keep all)
+        thr = m + tl.math.log2(eta) + tl.math.log2(tl.where(g_mask, l, 1.0))
+
+    if HAS_SEQ_LENS:
+        seq_len = tl.minimum(tl.load(SeqLens + b), S_MAX)
+    else:
+        seq_len = S_MAX
+    start = split * SPLIT_LEN
+    end = tl.minimum(start + SPLIT_LEN, seq_len)
+
+    v_base = V + b.to(tl.int64) * stride_vb + hkv.to(tl.int64) * stride_vh
+    s_base = Scores + row[:, None] * S_MAX
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    cnt = tl.zeros([BLOCK_G], tl.int32)
+    mass = tl.zeros([BLOCK_G], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        offs = n0 + offs_n
+        n_mask = offs < end
+        s = tl.load(s_base + offs[None, :], mask=g_mask[:, None] & n_mask[None, :], other=float("-inf"))
+        keep = (s > thr[:, None]) | (offs[None, :] == amax[:, None])
+        keep = keep & n_mask[None, :] & g_mask[:, None]
+        w = tl.where(keep, tl.math.exp2(s - m[:, None]), 0.0)
+        # A V row is read iff some head of the group keeps it; masked rows cost no traffic.
+        row_kept = tl.max(keep.to(tl.int32), axis=0) > 0
+        v = tl.load(
+            v_base + offs[:, None].to(tl.int64) * stride_vs + offs_d[None, :] * stride_vd,
+            mask=row_kept[:, None] & d_mask[None, :], other=0.0,
+        )
+        if USE_DOT:
+            acc += tl.dot(w.to(v.dtype), v, input_precision=DOT_PREC)
+        else:
+            acc += tl.sum(w[:, :, None] * v[None, :, :].to(tl.float32), axis=1)
+        cnt += tl.sum(keep.to(tl.int32), axis=1)
+        mass += tl.sum(w, axis=1)
+
+    pst = row * NUM_SPLITS2 + split
+    tl.store(Part + pst[:, None] * BLOCK_D + offs_d[None, :], acc * inv_l[:, None], mask=g_mask[:, None])
+    tl.store(Cnt + pst, cnt, mask=g_mask)
+    tl.store(Mass + pst, mass * inv_l, mask=g_mask)
+
+
+@triton.jit
+def _combine_kernel(
+    Part, Cnt, Mass, Out, Kept,
+    stride_ob, stride_oh, stride_od,
+    NUM_SPLITS2,
+    HQ: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S2: tl.constexpr,
+    RENORMALIZE: tl.constexpr, WRITE_KEPT: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    b = row // HQ
+    h = row % HQ
+    offs_s = tl.arange(0, BLOCK_S2)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < NUM_SPLITS2
+    part = tl.load(
+        Part + (row * NUM_SPLITS2 + offs_s[:, None]) * BLOCK_D + offs_d[None, :],
+        mask=s_mask[:, None], other=0.0,
+    )
+    out = tl.sum(part, axis=0)
+    if RENORMALIZE:
+        out = out / tl.sum(tl.load(Mass + row * NUM_SPLITS2 + offs_s, mask=s_mask, other=0.0), axis=0)
+    tl.store(
+        Out + b * stride_ob + h * stride_oh + offs_d * stride_od,
+        out.to(Out.dtype.element_ty), mask=offs_d < D,
+    )
+    if WRITE_KEPT:
+        kept = tl.sum(tl.load(Cnt + row * NUM_SPLITS2 + offs_s, mask=s_mask, other=0), axis=0)
+        tl.store(Kept + row, kept)
+
+
+@triton.jit
+def _float_key(x):
+    """Order-preserving map float32 -> int32 (flip the magnitude bits of negatives)."""
+    bits = x.to(tl.int32, bitcast=True)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+@triton.jit
+def _key_float(key):
+    return (key ^ ((key >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _quantile_kernel(
+    Scores, Mst, Lst, Nst, Tau, SeqLens, Theta,
+    S_MAX, NUM_SPLITS1,
+    HQ: tl.constexpr, BLOCK_S1: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_SEQ_LENS: tl.constexpr,
+):
+    """theta = tau-quantile of one row's probabilities, torch.quantile's 'linear' rule.
+
+    Finds the k-th smallest score (k = floor(tau * (n - 1))) exactly as the least
+    integer key t with #(key <= t) >= k + 1, by a 16-way search between the row's
+    min and max keys (each pass counts the row against 16 pivots and shrinks the
+    bracket 16x; 32-bit keys need at most 9 passes), then the next order statistic
+    in one more pass. Probabilities are monotone in scores, so interpolating
+    exp2(s - M) / L at the two order statistics is the quantile of p.
+    """
+    NPIV: tl.constexpr = 16
+    row = tl.program_id(0).to(tl.int64)
+    b = row // HQ
+    one = tl.full([1], 0, tl.int32) == 0  # [1]-shaped row mask for the shared helper
+    rows = tl.full([1], 0, tl.int64) + row
+    m, l, _, _, _ = _row_stats(Mst, Lst, rows, one, NUM_SPLITS1, BLOCK_S1)
+    offs_s = tl.arange(0, BLOCK_S1)
+    mn = tl.min(tl.load(Nst + row * NUM_SPLITS1 + offs_s, mask=offs_s < NUM_SPLITS1, other=float("inf")), axis=0)
+    m = tl.sum(m, axis=0)
+    l = tl.sum(l, axis=0)
+    if HAS_SEQ_LENS:
+        n = tl.minimum(tl.load(SeqLens + b), S_MAX)
+    else:
+        n = S_MAX
+    tau = tl.load(Tau + row)  # float64, so that tau * (n - 1) matches the reference
+    pos = tau * (n - 1).to(tl.float64)
+    kf = tl.floor(pos)
+    frac = (pos - kf).to(tl.float32)
+    k = kf.to(tl.int32)
+
+    offs = tl.arange(0, BLOCK)
+    piv_j = tl.arange(0, NPIV).to(tl.int64)
+    s_row = Scores + row * S_MAX
+    lo = _float_key(mn).to(tl.int64)
+    hi = _float_key(m).to(tl.int64)
+    while lo < hi:
+        piv = lo + ((hi - lo) * piv_j) // NPIV  # piv[0] = lo; all < hi
+        cnt = tl.zeros([NPIV], tl.int32)
+        for n0 in range(0, n, BLOCK):
+            idx = n0 + offs
+            key = _float_key(tl.load(s_row + idx, mask=idx < n, other=0.0))
+            le = (key[None, :].to(tl.int64) <= piv[:, None]) & (idx[None, :] < n)
+            cnt += tl.sum(le.to(tl.int32), axis=1)
+        ok = cnt >= k + 1
+        hi = tl.minimum(hi, tl.min(tl.where(ok, piv, hi), axis=0))
+        lo = tl.maximum(lo, tl.max(tl.where(ok, lo, piv + 1), axis=0))
+
+    t = lo.to(tl.int32)
+    c_le = tl.zeros([BLOCK], tl.int32)
+    nxt = tl.full([BLOCK], _INT_MAX, tl.int32)
+    for n0 in range(0, n, BLOCK):
+        idx = n0 + offs
+        valid = idx < n
+        key = _float_key(tl.load(s_row + idx, mask=valid, other=0.0))
+        c_le += (valid & (key <= t)).to(tl.int32)
+        nxt = tl.minimum(nxt, tl.where(valid & (key > t), key, _INT_MAX))
+    c_le_t = tl.sum(c_le, axis=0)
+    nxt_t = tl.min(nxt, axis=0)
+    # (k+1)-th order statistic: a tie with the k-th, the next larger key, or none (k = n-1).
+    t_hi = tl.where((c_le_t >= k + 2) | (nxt_t == _INT_MAX), t, nxt_t)
+    inv_l = 1.0 / l
+    p_lo = tl.math.exp2(_key_float(t) - m) * inv_l
+    p_hi = tl.math.exp2(_key_float(t_hi) - m) * inv_l
+    tl.store(Theta + row, p_lo + frac * (p_hi - p_lo))
+
+
+# --------------------------------------------------------------------------- launchers
+
+
+def _dot_prec(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _launch(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    eta: torch.Tensor | None,
+    tau: torch.Tensor | None,
+    scale: float,
+    seq_lens: torch.Tensor | None,
+    renormalize: bool,
+    cfg: KernelConfig,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Shared launcher: sift filter when ``eta`` is given, exact + quantile when ``tau``."""
+    B, Hq, D = q.shape
+    Hkv, S = k_cache.shape[1], k_cache.shape[2]
+    G = Hq // Hkv
+    dev = q.device
+    use_dot = cfg.use_dot if cfg.use_dot is not None else G >= 4
+    BLOCK_G = max(16, triton.next_power_of_2(G)) if use_dot else triton.next_power_of_2(G)
+    BLOCK_D = max(16, triton.next_power_of_2(D))
+    sms = _num_sms(dev)
+    warmup = tau is not None
+    has_sl = seq_lens is not None
+    sl = seq_lens if has_sl else q  # dummy pointer when unused
+    prec = _dot_prec(q.dtype)
+
+    split1, ns1 = _split(S, B * Hkv, cfg.block_n1, cfg.programs1, sms)
+    scores = torch.empty(B, Hq, S, device=dev, dtype=torch.float32)
+    mst = torch.empty(B, Hq, ns1, device=dev, dtype=torch.float32)
+    lst = torch.empty_like(mst)
+    ast = torch.empty(B, Hq, ns1, device=dev, dtype=torch.int32)
+    nst = torch.empty_like(mst) if warmup else mst
+    _scores_kernel[(ns1, B * Hkv)](
+        q, k_cache, scores, mst, lst, ast, nst, sl,
+        q.stride(0), q.stride(1), q.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
+        scale * LOG2E, S, split1, ns1,
+        HQ=Hq, HKV=Hkv, G=G, BLOCK_G=BLOCK_G, D=D, BLOCK_D=BLOCK_D, BLOCK_N=cfg.block_n1,
+        HAS_SEQ_LENS=has_sl, USE_DOT=use_dot, DOT_PREC=prec, TRACK_MIN=warmup,
+        num_warps=cfg.warps1, num_stages=cfg.stages1,
+    )
+    BLOCK_S1 = triton.next_power_of_2(ns1)
+
+    theta = None
+    if warmup:
+        theta = torch.empty(B, Hq, device=dev, dtype=torch.float32)
+        # Right after pass 1, while the scores are still in L2.
+        _quantile_kernel[(B * Hq,)](
+            scores, mst, lst, nst, tau, sl, theta, S, ns1,
+            HQ=Hq, BLOCK_S1=BLOCK_S1, BLOCK=cfg.quantile_block, HAS_SEQ_LENS=has_sl,
+            num_warps=cfg.quantile_warps,
+        )
+
+    split2, ns2 = _split(S, B * Hkv, cfg.block_n2, cfg.programs2, sms)
+    part = torch.empty(B, Hq, ns2, BLOCK_D, device=dev, dtype=torch.float32)
+    cnt = torch.empty(B, Hq, ns2, device=dev, dtype=torch.int32)
+    mass = torch.empty(B, Hq, ns2, device=dev, dtype=torch.float32)
+    _filter_kernel[(ns2, B * Hkv)](
+        v_cache, scores, mst, lst, ast, eta if eta is not None else mst, sl, part, cnt, mass,
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
+        S, split2, ns1, ns2,
+        HQ=Hq, HKV=Hkv, G=G, BLOCK_G=BLOCK_G, D=D, BLOCK_D=BLOCK_D, BLOCK_N=cfg.block_n2,
+        BLOCK_S1=BLOCK_S1, HAS_SEQ_LENS=has_sl, USE_DOT=use_dot, DOT_PREC=prec,
+        KEEP_ALL=warmup,
+        num_warps=cfg.warps2, num_stages=cfg.stages2,
+    )
+
+    out = torch.empty(B, Hq, D, device=dev, dtype=q.dtype)
+    kept = None if warmup else torch.empty(B, Hq, device=dev, dtype=torch.int32)
+    _combine_kernel[(B * Hq,)](
+        part, cnt, mass, out, kept if kept is not None else cnt,
+        out.stride(0), out.stride(1), out.stride(2), ns2,
+        HQ=Hq, D=D, BLOCK_D=BLOCK_D, BLOCK_S2=triton.next_power_of_2(ns2),
+        RENORMALIZE=renormalize and not warmup, WRITE_KEPT=not warmup,
+        num_warps=4,
+    )
+    return out, kept, theta
+
+
+def sift_decode_triton(q, k_cache, v_cache, eta, scale, seq_lens, renormalize, cfg=None):
+    out, kept, _ = _launch(q, k_cache, v_cache, eta, None, scale, seq_lens, renormalize, cfg or KernelConfig())
+    return out, kept
+
+
+def sift_warmup_decode_triton(q, k_cache, v_cache, tau, scale, seq_lens, cfg=None):
+    out, _, theta = _launch(q, k_cache, v_cache, None, tau, scale, seq_lens, False, cfg or KernelConfig())
+    return out, theta
+
+
+__all__ = ["KernelConfig", "sift_decode_triton", "sift_warmup_decode_triton", "LOG2E", "math"]
