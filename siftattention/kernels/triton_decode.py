@@ -25,7 +25,7 @@ CUDA graph and eta can be computed on the device.
 
 from __future__ import annotations
 
-import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
-_INT_MAX = 2147483647
+_INT_MAX = tl.constexpr(2147483647)
 
 
 @dataclass(frozen=True)
@@ -43,12 +43,15 @@ class KernelConfig:
     block_n1: int = 64  # keys per iteration in the scores pass
     warps1: int = 4
     stages1: int = 3
-    programs1: int = 4  # target programs per SM for the scores pass (sets the split)
+    programs1: int = 8  # target programs per SM for the scores pass (sets the split)
     block_n2: int = 64  # keys per iteration in the filter pass
     warps2: int = 4
     stages2: int = 3
-    programs2: int = 4
-    use_dot: bool | None = None  # tensor-core dot for QK and PV; None: when G >= 4
+    programs2: int = 8
+    # Tensor-core dot for QK and PV (heads padded to 16). Triton pipelines the loads
+    # that feed a dot through shared memory (cp.async), so this is the default even
+    # for MHA; the elementwise path loads to registers without prefetch.
+    use_dot: bool = True
     quantile_block: int = 1024
     quantile_warps: int = 8
 
@@ -78,6 +81,15 @@ def _split(s_max: int, rows: int, block_n: int, programs_per_sm: int, sms: int) 
 
 
 @triton.jit
+def _dot(a, b, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    # UPCAST: Triton's CPU interpreter (3.9) computes bf16 dots wrongly; fp32 is exact there.
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b, input_precision=PREC)
+
+
+@triton.jit
 def _scores_kernel(
     Q, K, Scores, Mst, Lst, Ast, Nst, SeqLens,
     stride_qb, stride_qh, stride_qd,
@@ -85,7 +97,7 @@ def _scores_kernel(
     qk_scale, S_MAX, SPLIT_LEN, NUM_SPLITS,
     HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_SEQ_LENS: tl.constexpr, USE_DOT: tl.constexpr, DOT_PREC: tl.constexpr,
+    HAS_SEQ_LENS: tl.constexpr, USE_DOT: tl.constexpr, DOT_PREC: tl.constexpr, DOT_UPCAST: tl.constexpr,
     TRACK_MIN: tl.constexpr,
 ):
     split = tl.program_id(0)
@@ -125,7 +137,7 @@ def _scores_kernel(
             mask=n_mask[:, None] & d_mask[None, :], other=0.0,
         )
         if USE_DOT:
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+            s = _dot(q, tl.trans(k), DOT_PREC, DOT_UPCAST)
         else:
             s = tl.sum(q[:, None, :].to(tl.float32) * k[None, :, :].to(tl.float32), axis=2)
         # Scale after the fp32 dot: rounding a pre-scaled q to fp16 would cost accuracy.
@@ -169,7 +181,7 @@ def _filter_kernel(
     S_MAX, SPLIT_LEN, NUM_SPLITS1, NUM_SPLITS2,
     HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S1: tl.constexpr,
-    HAS_SEQ_LENS: tl.constexpr, USE_DOT: tl.constexpr, DOT_PREC: tl.constexpr,
+    HAS_SEQ_LENS: tl.constexpr, USE_DOT: tl.constexpr, DOT_PREC: tl.constexpr, DOT_UPCAST: tl.constexpr,
     KEEP_ALL: tl.constexpr,
 ):
     split = tl.program_id(0)
@@ -222,7 +234,7 @@ def _filter_kernel(
             mask=row_kept[:, None] & d_mask[None, :], other=0.0,
         )
         if USE_DOT:
-            acc += tl.dot(w.to(v.dtype), v, input_precision=DOT_PREC)
+            acc += _dot(w.to(v.dtype), v, DOT_PREC, DOT_UPCAST)
         else:
             acc += tl.sum(w[:, :, None] * v[None, :, :].to(tl.float32), axis=1)
         cnt += tl.sum(keep.to(tl.int32), axis=1)
@@ -319,11 +331,12 @@ def _quantile_kernel(
     hi = _float_key(m).to(tl.int64)
     while lo < hi:
         piv = lo + ((hi - lo) * piv_j) // NPIV  # piv[0] = lo; all < hi
+        piv32 = piv.to(tl.int32)  # keys fit in int32; int32 compares are cheaper
         cnt = tl.zeros([NPIV], tl.int32)
         for n0 in range(0, n, BLOCK):
             idx = n0 + offs
             key = _float_key(tl.load(s_row + idx, mask=idx < n, other=0.0))
-            le = (key[None, :].to(tl.int64) <= piv[:, None]) & (idx[None, :] < n)
+            le = (key[None, :] <= piv32[:, None]) & (idx[None, :] < n)
             cnt += tl.sum(le.to(tl.int32), axis=1)
         ok = cnt >= k + 1
         hi = tl.minimum(hi, tl.min(tl.where(ok, piv, hi), axis=0))
@@ -351,96 +364,137 @@ def _quantile_kernel(
 # --------------------------------------------------------------------------- launchers
 
 
-def _dot_prec(dtype: torch.dtype) -> str:
-    return "ieee" if dtype == torch.float32 else "tf32"
-
-
-def _launch(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    eta: torch.Tensor | None,
-    tau: torch.Tensor | None,
-    scale: float,
-    seq_lens: torch.Tensor | None,
-    renormalize: bool,
-    cfg: KernelConfig,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Shared launcher: sift filter when ``eta`` is given, exact + quantile when ``tau``."""
+def _meta(q: torch.Tensor, k_cache: torch.Tensor, cfg: KernelConfig) -> dict:
     B, Hq, D = q.shape
     Hkv, S = k_cache.shape[1], k_cache.shape[2]
     G = Hq // Hkv
-    dev = q.device
-    use_dot = cfg.use_dot if cfg.use_dot is not None else G >= 4
-    BLOCK_G = max(16, triton.next_power_of_2(G)) if use_dot else triton.next_power_of_2(G)
-    BLOCK_D = max(16, triton.next_power_of_2(D))
-    sms = _num_sms(dev)
-    warmup = tau is not None
-    has_sl = seq_lens is not None
-    sl = seq_lens if has_sl else q  # dummy pointer when unused
-    prec = _dot_prec(q.dtype)
+    use_dot = cfg.use_dot
+    return dict(
+        B=B, Hq=Hq, Hkv=Hkv, S=S, D=D, G=G, use_dot=use_dot,
+        BLOCK_G=max(16, triton.next_power_of_2(G)) if use_dot else triton.next_power_of_2(G),
+        BLOCK_D=max(16, triton.next_power_of_2(D)),
+        prec="ieee" if q.dtype == torch.float32 else "tf32",
+        upcast=q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET", "0") == "1",
+        sms=_num_sms(q.device),
+    )
 
-    split1, ns1 = _split(S, B * Hkv, cfg.block_n1, cfg.programs1, sms)
-    scores = torch.empty(B, Hq, S, device=dev, dtype=torch.float32)
-    mst = torch.empty(B, Hq, ns1, device=dev, dtype=torch.float32)
-    lst = torch.empty_like(mst)
-    ast = torch.empty(B, Hq, ns1, device=dev, dtype=torch.int32)
-    nst = torch.empty_like(mst) if warmup else mst
+
+def scores_pass(q, k_cache, scale, seq_lens, cfg: KernelConfig, track_min: bool) -> dict:
+    """Pass 1: float32 log2-domain scores [B, Hq, S] and per-split softmax statistics."""
+    mt = _meta(q, k_cache, cfg)
+    B, Hq, Hkv, S = mt["B"], mt["Hq"], mt["Hkv"], mt["S"]
+    dev = q.device
+    split1, ns1 = _split(S, B * Hkv, cfg.block_n1, cfg.programs1, mt["sms"])
+    st = dict(
+        meta=mt, ns1=ns1,
+        scores=torch.empty(B, Hq, S, device=dev, dtype=torch.float32),
+        mst=torch.empty(B, Hq, ns1, device=dev, dtype=torch.float32),
+        lst=torch.empty(B, Hq, ns1, device=dev, dtype=torch.float32),
+        ast=torch.empty(B, Hq, ns1, device=dev, dtype=torch.int32),
+    )
+    st["nst"] = torch.empty_like(st["mst"]) if track_min else st["mst"]
+    has_sl = seq_lens is not None
     _scores_kernel[(ns1, B * Hkv)](
-        q, k_cache, scores, mst, lst, ast, nst, sl,
+        q, k_cache, st["scores"], st["mst"], st["lst"], st["ast"], st["nst"], seq_lens if has_sl else q,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
         scale * LOG2E, S, split1, ns1,
-        HQ=Hq, HKV=Hkv, G=G, BLOCK_G=BLOCK_G, D=D, BLOCK_D=BLOCK_D, BLOCK_N=cfg.block_n1,
-        HAS_SEQ_LENS=has_sl, USE_DOT=use_dot, DOT_PREC=prec, TRACK_MIN=warmup,
+        HQ=Hq, HKV=Hkv, G=mt["G"], BLOCK_G=mt["BLOCK_G"], D=mt["D"], BLOCK_D=mt["BLOCK_D"],
+        BLOCK_N=cfg.block_n1, HAS_SEQ_LENS=has_sl, USE_DOT=mt["use_dot"], DOT_PREC=mt["prec"], DOT_UPCAST=mt["upcast"],
+        TRACK_MIN=track_min,
         num_warps=cfg.warps1, num_stages=cfg.stages1,
     )
-    BLOCK_S1 = triton.next_power_of_2(ns1)
+    return st
 
-    theta = None
-    if warmup:
-        theta = torch.empty(B, Hq, device=dev, dtype=torch.float32)
-        # Right after pass 1, while the scores are still in L2.
-        _quantile_kernel[(B * Hq,)](
-            scores, mst, lst, nst, tau, sl, theta, S, ns1,
-            HQ=Hq, BLOCK_S1=BLOCK_S1, BLOCK=cfg.quantile_block, HAS_SEQ_LENS=has_sl,
-            num_warps=cfg.quantile_warps,
-        )
 
-    split2, ns2 = _split(S, B * Hkv, cfg.block_n2, cfg.programs2, sms)
-    part = torch.empty(B, Hq, ns2, BLOCK_D, device=dev, dtype=torch.float32)
-    cnt = torch.empty(B, Hq, ns2, device=dev, dtype=torch.int32)
-    mass = torch.empty(B, Hq, ns2, device=dev, dtype=torch.float32)
+def quantile_pass(st: dict, tau: torch.Tensor, seq_lens, cfg: KernelConfig) -> torch.Tensor:
+    """Warmup: theta [B, Hq] from the stored scores (run right after pass 1: L2-hot)."""
+    mt = st["meta"]
+    theta = torch.empty(mt["B"], mt["Hq"], device=tau.device, dtype=torch.float32)
+    has_sl = seq_lens is not None
+    _quantile_kernel[(mt["B"] * mt["Hq"],)](
+        st["scores"], st["mst"], st["lst"], st["nst"], tau, seq_lens if has_sl else tau, theta,
+        mt["S"], st["ns1"],
+        HQ=mt["Hq"], BLOCK_S1=triton.next_power_of_2(st["ns1"]), BLOCK=cfg.quantile_block,
+        HAS_SEQ_LENS=has_sl, num_warps=cfg.quantile_warps,
+    )
+    return theta
+
+
+def filter_pass(st: dict, v_cache, eta, seq_lens, cfg: KernelConfig) -> dict:
+    """Pass 2: threshold, masked V loads, split partials (already divided by L)."""
+    mt = st["meta"]
+    B, Hq, Hkv, S = mt["B"], mt["Hq"], mt["Hkv"], mt["S"]
+    dev = v_cache.device
+    split2, ns2 = _split(S, B * Hkv, cfg.block_n2, cfg.programs2, mt["sms"])
+    pt = dict(
+        ns2=ns2,
+        part=torch.empty(B, Hq, ns2, mt["BLOCK_D"], device=dev, dtype=torch.float32),
+        cnt=torch.empty(B, Hq, ns2, device=dev, dtype=torch.int32),
+        mass=torch.empty(B, Hq, ns2, device=dev, dtype=torch.float32),
+    )
+    has_sl = seq_lens is not None
     _filter_kernel[(ns2, B * Hkv)](
-        v_cache, scores, mst, lst, ast, eta if eta is not None else mst, sl, part, cnt, mass,
+        v_cache, st["scores"], st["mst"], st["lst"], st["ast"], eta if eta is not None else st["mst"],
+        seq_lens if has_sl else st["mst"], pt["part"], pt["cnt"], pt["mass"],
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
-        S, split2, ns1, ns2,
-        HQ=Hq, HKV=Hkv, G=G, BLOCK_G=BLOCK_G, D=D, BLOCK_D=BLOCK_D, BLOCK_N=cfg.block_n2,
-        BLOCK_S1=BLOCK_S1, HAS_SEQ_LENS=has_sl, USE_DOT=use_dot, DOT_PREC=prec,
-        KEEP_ALL=warmup,
+        S, split2, st["ns1"], ns2,
+        HQ=Hq, HKV=Hkv, G=mt["G"], BLOCK_G=mt["BLOCK_G"], D=mt["D"], BLOCK_D=mt["BLOCK_D"],
+        BLOCK_N=cfg.block_n2, BLOCK_S1=triton.next_power_of_2(st["ns1"]), HAS_SEQ_LENS=has_sl,
+        USE_DOT=mt["use_dot"], DOT_PREC=mt["prec"], DOT_UPCAST=mt["upcast"], KEEP_ALL=eta is None,
         num_warps=cfg.warps2, num_stages=cfg.stages2,
     )
+    return pt
 
-    out = torch.empty(B, Hq, D, device=dev, dtype=q.dtype)
-    kept = None if warmup else torch.empty(B, Hq, device=dev, dtype=torch.int32)
+
+def combine_pass(st: dict, pt: dict, out_dtype: torch.dtype, renormalize: bool, want_kept: bool):
+    mt = st["meta"]
+    B, Hq, D = mt["B"], mt["Hq"], mt["D"]
+    dev = pt["part"].device
+    out = torch.empty(B, Hq, D, device=dev, dtype=out_dtype)
+    kept = torch.empty(B, Hq, device=dev, dtype=torch.int32) if want_kept else None
     _combine_kernel[(B * Hq,)](
-        part, cnt, mass, out, kept if kept is not None else cnt,
-        out.stride(0), out.stride(1), out.stride(2), ns2,
-        HQ=Hq, D=D, BLOCK_D=BLOCK_D, BLOCK_S2=triton.next_power_of_2(ns2),
-        RENORMALIZE=renormalize and not warmup, WRITE_KEPT=not warmup,
-        num_warps=4,
+        pt["part"], pt["cnt"], pt["mass"], out, kept if want_kept else pt["cnt"],
+        out.stride(0), out.stride(1), out.stride(2), pt["ns2"],
+        HQ=Hq, D=D, BLOCK_D=mt["BLOCK_D"], BLOCK_S2=triton.next_power_of_2(pt["ns2"]),
+        RENORMALIZE=renormalize, WRITE_KEPT=want_kept, num_warps=4,
     )
-    return out, kept, theta
-
-
-def sift_decode_triton(q, k_cache, v_cache, eta, scale, seq_lens, renormalize, cfg=None):
-    out, kept, _ = _launch(q, k_cache, v_cache, eta, None, scale, seq_lens, renormalize, cfg or KernelConfig())
     return out, kept
 
 
-def sift_warmup_decode_triton(q, k_cache, v_cache, tau, scale, seq_lens, cfg=None):
-    out, _, theta = _launch(q, k_cache, v_cache, None, tau, scale, seq_lens, False, cfg or KernelConfig())
+def sift_decode_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    eta: torch.Tensor,
+    scale: float,
+    seq_lens: torch.Tensor | None,
+    renormalize: bool,
+    cfg: KernelConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs already validated by :func:`siftattention.kernels.sift_decode`."""
+    cfg = cfg or KernelConfig()
+    st = scores_pass(q, k_cache, scale, seq_lens, cfg, track_min=False)
+    pt = filter_pass(st, v_cache, eta, seq_lens, cfg)
+    return combine_pass(st, pt, q.dtype, renormalize, want_kept=True)
+
+
+def sift_warmup_decode_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    tau: torch.Tensor,
+    scale: float,
+    seq_lens: torch.Tensor | None,
+    cfg: KernelConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact output plus theta; ``tau`` is a float64 [B, Hq] tensor."""
+    cfg = cfg or KernelConfig()
+    st = scores_pass(q, k_cache, scale, seq_lens, cfg, track_min=True)
+    theta = quantile_pass(st, tau, seq_lens, cfg)
+    pt = filter_pass(st, v_cache, None, seq_lens, cfg)
+    out, _ = combine_pass(st, pt, q.dtype, False, want_kept=False)
     return out, theta
 
 
-__all__ = ["KernelConfig", "sift_decode_triton", "sift_warmup_decode_triton", "LOG2E", "math"]
+__all__ = ["KernelConfig", "sift_decode_triton", "sift_warmup_decode_triton", "LOG2E"]

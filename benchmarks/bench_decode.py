@@ -1,0 +1,447 @@
+"""Decode-step benchmark: SiftAttention Triton kernel vs torch SDPA vs top-k decode.
+
+One command on a CUDA machine, from the repository root:
+
+    PYTHONPATH=. python3 benchmarks/bench_decode.py --out results.json            # full sweep
+    PYTHONPATH=. python3 benchmarks/bench_decode.py --quick --out q.json          # target settings
+    PYTHONPATH=. python3 benchmarks/bench_decode.py --check                       # GPU correctness suite
+    PYTHONPATH=. python3 benchmarks/bench_decode.py --tune                        # per-pass config sweep
+    PYTHONPATH=. python3 benchmarks/bench_decode.py --ncu --batch 8 --seq 32768   # DRAM bytes (Nsight Compute)
+
+Inputs are random but peaky (logit std ``--logit-std``, default 3): flat random
+attention would make every threshold meaningless. Per head, eta is placed in the
+widest log-gap among the 33 sorted probabilities around the target rank, so the
+realized sparsity is the target to within 16 / S and float32 rounding cannot flip a
+decision; the kernel's ``kept`` must equal the float64 count exactly. Every config's
+output is checked against a float64 reference before it is timed. Timings are
+medians of ``triton.testing.do_bench`` rotating ``--sets`` input sets (more than L2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import itertools
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from siftattention.kernels import sift_decode, sift_warmup_decode
+from siftattention.kernels import triton_decode as td
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+# Dry runs of this script's logic on a CPU: BENCH_DEVICE=cpu TRITON_INTERPRET=1 (tiny shapes).
+DEV = os.environ.get("BENCH_DEVICE", "cuda")
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def make_inputs(B, Hq, Hkv, S, D, dtype, logit_std, group_corr, gen):
+    """Peaky scores: k ~ N(0, 1), q ~ N(0, logit_std^2), heads of a group correlated."""
+    dev = DEV
+    G = Hq // Hkv
+    k = torch.randn(B, Hkv, S, D, device=dev, generator=gen).to(dtype)
+    v = torch.randn(B, Hkv, S, D, device=dev, generator=gen).to(dtype)
+    shared = torch.randn(B, Hkv, 1, D, device=dev, generator=gen)
+    own = torch.randn(B, Hkv, G, D, device=dev, generator=gen)
+    q = (group_corr * shared + math.sqrt(1 - group_corr**2) * own) * logit_std
+    return q.reshape(B, Hq, D).to(dtype), k, v
+
+
+def ref_scores64(q, k, b):
+    """float64 scaled scores of batch row b: [Hq, S]."""
+    Hq, D = q.shape[1], q.shape[2]
+    Hkv = k.shape[1]
+    G = Hq // Hkv
+    s = torch.matmul(q[b].double().reshape(Hkv, G, D), k[b].double().transpose(-1, -2))
+    return s.reshape(Hq, -1) * D**-0.5
+
+
+def thresholds(q, k, sparsities, seq_lens=None, window=16):
+    """Per-head eta for each target sparsity, placed in the widest log-gap near the rank.
+
+    Returns a list (one per sparsity) of (eta [B, Hq], kept [B, Hq] (exact float64
+    count), fraction of V rows that some head of their group keeps).
+    """
+    B, Hq, _ = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    res = [[torch.zeros(B, Hq, device=q.device), torch.zeros(B, Hq, dtype=torch.int32, device=q.device), 0] for _ in sparsities]
+    total = 0
+    for b in range(B):
+        n = S if seq_lens is None else int(seq_lens[b])
+        total += Hkv * n
+        s = ref_scores64(q, k[:, :, :n], b)
+        lse = torch.logsumexp(s, dim=-1)
+        srt = torch.sort(s, dim=-1).values  # ascending
+        for i, sp in enumerate(sparsities):
+            if sp <= 0 or n == 1:  # eta = 0: every key kept
+                res[i][1][b] = n
+                res[i][2] += Hkv * n
+                continue
+            target = n - max(1, round((1 - sp) * n))  # rank of the largest dropped key
+            lo, hi = max(0, target - window), min(n - 2, target + window)
+            gaps = srt[:, lo + 1 : hi + 2] - srt[:, lo : hi + 1]
+            r = lo + gaps.argmax(dim=-1)  # drop ranks 0..r
+            mid = (srt.gather(1, r[:, None]) + srt.gather(1, r[:, None] + 1)).squeeze(1) / 2
+            res[i][0][b] = torch.exp(mid - lse).float()
+            keep = s > mid[:, None]
+            res[i][1][b] = keep.sum(-1).int()
+            res[i][2] += int(keep.reshape(Hkv, G, n).any(dim=1).sum())
+    return [(e, kp, u / total) for e, kp, u in res]
+
+
+def ref_out64(q, k, v, eta, b, renormalize=False):
+    s = ref_scores64(q, k, b)
+    p = torch.softmax(s, dim=-1)
+    keep = p > eta[b, :, None].double()
+    keep.scatter_(-1, s.argmax(-1, keepdim=True), True)
+    w = torch.where(keep, p, 0.0)
+    if renormalize:
+        w = w / w.sum(-1, keepdim=True)
+    Hkv, D = v.shape[1], v.shape[3]
+    G = q.shape[1] // Hkv
+    return torch.matmul(w.reshape(Hkv, G, -1), v[b].double()).reshape(-1, D)
+
+
+def rel_err(a, b):
+    return float((a.double() - b).norm() / b.norm())
+
+
+# ----------------------------------------------------------------------------- baselines
+
+
+def sdpa_decode(q, k, v):
+    return F.scaled_dot_product_attention(q[:, :, None, :], k, v, enable_gqa=q.shape[1] != k.shape[1])[:, :, 0]
+
+
+def topk_decode(q, k, v, kk):
+    """Top-k decode (renormalised over the kept keys): scores, topk, gather V, attend."""
+    B, Hq, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    s = torch.matmul(q.reshape(B, Hkv, G, D), k.transpose(-1, -2)) * D**-0.5  # [B,Hkv,G,S]
+    vals, idx = torch.topk(s, kk, dim=-1, sorted=False)
+    p = torch.softmax(vals.float(), dim=-1).to(q.dtype)
+    vg = torch.gather(v[:, :, None].expand(B, Hkv, G, S, D), 3, idx[..., None].expand(B, Hkv, G, kk, D))
+    return torch.matmul(p[..., None, :], vg).reshape(B, Hq, D)
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+def bench(fn, sets, warmup=25, rep=100):
+    rep = int(os.environ.get("BENCH_REP_MS", rep))
+    import triton
+
+    it = itertools.cycle(range(len(sets)))
+    if DEV != "cuda":
+        t0 = time.perf_counter()
+        fn(*sets[next(it)])
+        return (time.perf_counter() - t0) * 1e3
+    return triton.testing.do_bench(lambda: fn(*sets[next(it)]), warmup=warmup, rep=rep, return_mode="median")
+
+
+def bytes_dense(B, Hkv, S, D, esize):
+    return 2 * B * Hkv * S * D * esize
+
+
+# ----------------------------------------------------------------------------- modes
+
+
+def run_check(args):
+    """Correctness of the Triton path on odd shapes vs float64 (and the torch backend)."""
+    gen = torch.Generator(device=DEV).manual_seed(1)
+    rows, fails = [], 0
+    cases = [
+        # B, Hq, Hkv, S, D, dtype, ragged, noncontig
+        (1, 4, 4, 1, 64, torch.float16, False, False),
+        (3, 8, 8, 1000, 64, torch.float16, True, False),
+        (2, 16, 4, 4097, 128, torch.bfloat16, True, False),
+        (4, 32, 4, 3001, 128, torch.float16, True, True),
+        (2, 32, 32, 777, 128, torch.float32, False, False),
+        (2, 16, 2, 20000, 64, torch.bfloat16, False, True),
+        (1, 28, 4, 333, 96, torch.float16, True, False),
+    ]
+    for (B, Hq, Hkv, S, D, dt, ragged, nc) in cases:
+        q, k, v = make_inputs(B, Hq, Hkv, S + (5 if nc else 0), D, dt, 3.0, 0.3, gen)
+        if nc:  # a slice of a longer cache: non-contiguous along S
+            k, v = k[:, :, 2 : S + 2], v[:, :, 2 : S + 2]
+        sl = torch.randint(1, S + 1, (B,), device=DEV, generator=gen) if ragged else None
+        ths = thresholds(q, k, (0.0, 0.5, 0.9, 0.999), sl)
+        for sp, (eta, kept_ref, _) in zip((0.0, 0.5, 0.9, 0.999), ths):
+            for renorm in (False, True):
+                out, kept = sift_decode(q, k, v, eta, seq_lens=sl, renormalize=renorm, backend="triton")
+                out_t, kept_t = sift_decode(q, k, v, eta, seq_lens=sl, renormalize=renorm, backend="torch")
+                errs = []
+                for b in range(B):
+                    n = S if sl is None else int(sl[b])
+                    r = ref_out64(q[b : b + 1], k[b : b + 1, :, :n], v[b : b + 1, :, :n], eta[b : b + 1], 0, renorm)
+                    errs.append(rel_err(out[b], r))
+                err = max(errs)
+                kept_ok = bool((kept == kept_ref).all()) and bool((kept_t == kept_ref).all())
+                tol = 2e-5 if dt == torch.float32 else 1e-2
+                ok = err < tol and kept_ok and bool(torch.isfinite(out).all())
+                fails += not ok
+                rows.append(dict(case=[B, Hq, Hkv, S, D, str(dt), ragged, nc], sparsity=sp, renorm=renorm, err=err, kept_ok=kept_ok, ok=ok))
+        for tau in (0.5, 0.875, 0.99):
+            out, th = sift_warmup_decode(q, k, v, tau, seq_lens=sl, backend="triton")
+            terr, oerr = 0.0, 0.0
+            for b in range(B):
+                n = S if sl is None else int(sl[b])
+                s = ref_scores64(q[b : b + 1], k[b : b + 1, :, :n], 0)
+                p = torch.softmax(s, -1)
+                th_ref = torch.quantile(p, tau, dim=-1) if n < 2**24 else None
+                terr = max(terr, float(((th[b].double() - th_ref).abs() / th_ref).max()))
+                oerr = max(oerr, rel_err(out[b], ref_out64(q[b : b + 1], k[b : b + 1, :, :n], v[b : b + 1, :, :n], torch.zeros(1, Hq, device=DEV), 0)))
+            ok = terr < 1e-4 and oerr < (2e-5 if dt == torch.float32 else 1e-2)
+            fails += not ok
+            rows.append(dict(case=[B, Hq, Hkv, S, D, str(dt), ragged, nc], tau=tau, theta_rel_err=terr, out_err=oerr, ok=ok))
+    for r in rows:
+        print(json.dumps(r))
+    print(f"CHECK: {len(rows) - fails} passed, {fails} failed")
+    return rows, fails
+
+
+def run_tune(args):
+    """Time each pass alone over a grid of launch parameters (coarse, one axis at a time)."""
+    gen = torch.Generator(device=DEV).manual_seed(2)
+    results = []
+    shapes = [(B, Hq, Hkv, S) for (Hq, Hkv) in (args.heads or [(32, 32), (32, 8)]) for B in (args.batch or [8]) for S in (args.seq or [32768])]
+    for (B, Hq, Hkv, S) in shapes:
+        D, dt = 128, torch.float16
+        sets = [make_inputs(B, Hq, Hkv, S, D, dt, 3.0, 0.0, gen) for _ in range(args.sets)]
+        etas = {sp: [thresholds(q, k, [sp])[0][0] for (q, k, v) in sets] for sp in (0.0, 0.875)}
+        scale = D**-0.5
+        base = td.KernelConfig()
+        g1 = [dict(block_n1=bn, warps1=w, stages1=st) for bn in (64, 128) for w in (4, 8) for st in (2, 3, 4)]
+        if Hq == Hkv:
+            g1 += [dict(block_n1=bn, warps1=w, stages1=1, use_dot=False) for bn in (32, 64) for w in (4, 8)]
+        g1 += [dict(programs1=p) for p in (2, 4, 16, 32)]
+        for kw in g1:
+            cfg = td.KernelConfig(**{**base.__dict__, **kw})
+            try:
+                t = bench(lambda q, k, v: td.scores_pass(q, k, scale, None, cfg, False), sets)
+            except Exception as e:  # noqa: BLE001 - report configs that fail to compile
+                t = float("nan")
+                print("fail", kw, repr(e)[:200])
+            gbs = B * Hkv * S * D * 2 / t / 1e6
+            results.append(dict(shape=[B, Hq, Hkv, S], pass_=1, cfg=kw, ms=t, k_tbps=gbs / 1e3))
+            print(f"pass1 {B},{Hq},{Hkv},{S} {kw} {t:.4f} ms  K at {gbs/1e3:.2f} TB/s", flush=True)
+        sts = [td.scores_pass(q, k, scale, None, base, False) for (q, k, v) in sets]
+        g2 = [dict(block_n2=bn, warps2=w, stages2=st) for bn in (32, 64, 128) for w in (4, 8) for st in (2, 3, 4, 5) if bn * st <= 512]
+        if Hq == Hkv:
+            g2 += [dict(block_n2=bn, warps2=w, stages2=1, use_dot=False) for bn in (32, 64) for w in (4, 8)]
+        g2 += [dict(programs2=p) for p in (2, 4, 16, 32)]
+        for sp in (0.0, 0.875):
+            for kw in g2:
+                cfg = td.KernelConfig(**{**base.__dict__, **kw})
+                args2 = [(sts[i], sets[i][2], etas[sp][i]) for i in range(len(sets))]
+                try:
+                    t = bench(lambda st, v, e: td.filter_pass(st, v, e, None, cfg), args2)
+                except Exception as e:  # noqa: BLE001
+                    t = float("nan")
+                    print("fail", kw, repr(e)[:200])
+                results.append(dict(shape=[B, Hq, Hkv, S], pass_=2, sparsity=sp, cfg=kw, ms=t))
+                print(f"pass2 {B},{Hq},{Hkv},{S} s={sp} {kw} {t:.4f} ms", flush=True)
+        taus = [torch.full((B, Hq), 0.875, device=DEV, dtype=torch.float64)] * len(sets)
+        stq = [td.scores_pass(q, k, scale, None, base, True) for (q, k, v) in sets]
+        for qb, qw in ((256, 4), (512, 4), (1024, 8), (2048, 8), (1024, 4)):
+            cfg = td.KernelConfig(**{**base.__dict__, "quantile_block": qb, "quantile_warps": qw})
+            t = bench(lambda st, tau: td.quantile_pass(st, tau, None, cfg), list(zip(stq, taus)))
+            results.append(dict(shape=[B, Hq, Hkv, S], pass_="quantile", cfg=[qb, qw], ms=t))
+            print(f"quantile {B},{Hq},{Hkv},{S} block {qb} warps {qw} {t:.4f} ms", flush=True)
+        t = bench(lambda q, k, v: sdpa_decode(q, k, v), sets)
+        print(f"sdpa {B},{Hq},{Hkv},{S} {t:.4f} ms", flush=True)
+        results.append(dict(shape=[B, Hq, Hkv, S], pass_="sdpa", ms=t))
+        del sets, sts, stq
+        torch.cuda.empty_cache()
+    return results
+
+
+def sweep_configs(args):
+    batches = args.batch or ([8] if args.quick else [1, 8, 16])
+    seqs = args.seq or ([8192, 32768] if args.quick else [2048, 8192, 32768])
+    heads = args.heads or [(32, 32), (32, 8)]
+    dts = args.dtype or (["fp16"] if args.quick else ["fp16", "bf16"])
+    return [(B, Hq, Hkv, S, dt) for dt in dts for (Hq, Hkv) in heads for B in batches for S in seqs]
+
+
+def run_sweep(args):
+    gen = torch.Generator(device=DEV).manual_seed(3)
+    D = 128
+    rows = []
+    for (B, Hq, Hkv, S, dtn) in sweep_configs(args):
+        dt = DTYPES[dtn]
+        t0 = time.time()
+        sets = [make_inputs(B, Hq, Hkv, S, D, dt, args.logit_std, args.group_corr, gen) for _ in range(args.sets)]
+        dense = bytes_dense(B, Hkv, S, D, 2)
+        t_sdpa = bench(sdpa_decode, sets)
+        # warmup step: exact output and theta, checked on set 0
+        q, k, v = sets[0]
+        out, th = sift_warmup_decode(q, k, v, 0.875, backend="triton")
+        w_err, th_err = 0.0, 0.0
+        for b in range(B):
+            s = ref_scores64(q, k, b)
+            p = torch.softmax(s, -1)
+            th_ref = torch.quantile(p, 0.875, dim=-1)
+            th_err = max(th_err, float(((th[b].double() - th_ref).abs() / th_ref).max()))
+            w_err = max(w_err, rel_err(out[b], torch.matmul(p.reshape(Hkv, Hq // Hkv, S), v[b].double()).reshape(Hq, D)))
+        assert w_err < 1e-2 and th_err < 1e-4, (w_err, th_err)
+        taus = torch.full((B, Hq), 0.875, device=DEV)
+        t_warm = bench(lambda q, k, v: sift_warmup_decode(q, k, v, taus, backend="triton"), sets)
+        ths = [thresholds(q, k, args.sparsity) for (q, k, v) in sets]
+        for j, sp in enumerate(args.sparsity):
+            th = [t[j] for t in ths]
+            etas = [t[0] for t in th]
+            union = sum(t[2] for t in th) / len(th)
+            realized = [1 - float(t[1].double().mean()) / S for t in th]
+            err = 0.0
+            for i, (q, k, v) in enumerate(sets):
+                out, kept = sift_decode(q, k, v, etas[i], backend="triton")
+                assert torch.equal(kept, th[i][1]), f"kept mismatch {B,Hq,Hkv,S,dtn,sp} set {i}: {int((kept != th[i][1]).sum())} heads"
+                if i == 0:
+                    err = max(rel_err(out[b], ref_out64(q, k, v, etas[0], b)) for b in range(B))
+                    assert err < 1e-2, err
+            t_sift = bench(lambda q, k, v, e: sift_decode(q, k, v, e, backend="triton"), [s + (e,) for s, e in zip(sets, etas)])
+            kk = max(1, round((1 - sp) * S))
+            t_topk = bench(lambda q, k, v: topk_decode(q, k, v, kk), sets)
+            floor_bytes = dense / 2 * (1 + union) + B * Hq * S * 8
+            row = dict(
+                B=B, Hq=Hq, Hkv=Hkv, S=S, D=D, dtype=dtn, sparsity=sp, realized=sum(realized) / len(realized),
+                v_rows_read=union, sdpa_ms=t_sdpa, sift_ms=t_sift, topk_ms=t_topk, warmup_ms=t_warm,
+                sift_vs_sdpa=t_sift / t_sdpa, topk_over_sift=t_topk / t_sift, warmup_vs_sdpa=t_warm / t_sdpa,
+                sdpa_tbps=dense / t_sdpa / 1e9, sift_tbps_of_count=floor_bytes / t_sift / 1e9,
+                byte_floor_vs_dense=floor_bytes / dense, out_rel_err=err, warmup_out_err=w_err, theta_rel_err=th_err,
+            )
+            rows.append(row)
+            print(
+                f"B={B:2d} H={Hq}/{Hkv} S={S:5d} {dtn} s={row['realized']:.3f} vrows={union:.3f} sdpa={t_sdpa:.4f} "
+                f"sift={t_sift:.4f} ({row['sift_vs_sdpa']:.2f}x) topk={t_topk:.4f} ({row['topk_over_sift']:.1f}x slower) "
+                f"warm={t_warm:.4f} ({row['warmup_vs_sdpa']:.2f}x) err={err:.1e}",
+                flush=True,
+            )
+        del sets
+        torch.cuda.empty_cache()
+        print(f"  config took {time.time() - t0:.1f}s", flush=True)
+    return rows
+
+
+def print_table(rows):
+    print("\n| B | Hq/Hkv | S | dtype | sparsity | V rows read | SDPA ms | sift ms | sift/SDPA | top-k ms | top-k/sift | warmup ms | warmup/SDPA |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['B']} | {r['Hq']}/{r['Hkv']} | {r['S']} | {r['dtype']} | {r['realized']:.3f} | {r['v_rows_read']:.3f} | "
+            f"{r['sdpa_ms']:.3f} | {r['sift_ms']:.3f} | {r['sift_vs_sdpa']:.2f} | {r['topk_ms']:.3f} | {r['topk_over_sift']:.1f} | "
+            f"{r['warmup_ms']:.3f} | {r['warmup_vs_sdpa']:.2f} |"
+        )
+
+
+def run_ncu_child(args):
+    """Runs under ncu: one SDPA, one sift and one warmup call per sparsity, after a warm-up."""
+    gen = torch.Generator(device=DEV).manual_seed(4)
+    B, S = args.batch[0], args.seq[0]
+    Hq, Hkv = args.heads[0]
+    q, k, v = make_inputs(B, Hq, Hkv, S, 128, DTYPES[(args.dtype or ["fp16"])[0]], args.logit_std, args.group_corr, gen)
+    info = []
+    etas = []
+    for sp, (eta, kept, union) in zip(args.sparsity, thresholds(q, k, args.sparsity)):
+        etas.append(eta)
+        info.append(dict(sparsity=sp, v_rows_read=union))
+        sift_decode(q, k, v, eta, backend="triton")  # compile outside the profiled range
+    sift_warmup_decode(q, k, v, 0.875, backend="triton")
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    sdpa_decode(q, k, v)
+    for eta in etas:
+        sift_decode(q, k, v, eta, backend="triton")
+    sift_warmup_decode(q, k, v, 0.875, backend="triton")
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+    print("NCUINFO " + json.dumps(info))
+
+
+def run_ncu(args):
+    res = []
+    for (B, Hq, Hkv, S, dtn) in sweep_configs(args):
+        cmd = [
+            "ncu", "--clock-control", "none", "--profile-from-start", "off", "--metrics", "dram__bytes_read.sum,dram__bytes_write.sum",
+            "--csv", sys.executable, os.path.abspath(__file__), "--ncu-child", "--batch", str(B), "--seq", str(S),
+            "--heads", f"{Hq},{Hkv}", "--dtype", dtn, "--sparsity", *map(str, args.sparsity),
+        ]
+        p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+        info = json.loads(re.search(r"NCUINFO (.*)", p.stdout).group(1)) if "NCUINFO" in p.stdout else []
+        kernels = []
+        lines = p.stdout.splitlines()
+        hdr = next((i for i, ln in enumerate(lines) if ln.startswith('"ID"')), None)
+        if hdr is not None:
+            for r in csv.DictReader(lines[hdr:]):
+                if r.get("Metric Name", "").startswith("dram__bytes"):
+                    kernels.append((r["Kernel Name"], r["Metric Name"], r["Metric Unit"], r["Metric Value"].replace(",", "")))
+        if not kernels:
+            print(p.stdout[-3000:], p.stderr[-3000:])
+        dense = bytes_dense(B, Hkv, S, 128, 2)
+        res.append(dict(B=B, Hq=Hq, Hkv=Hkv, S=S, dtype=dtn, dense_bytes=dense, info=info, kernels=kernels))
+        print(f"ncu B={B} H={Hq}/{Hkv} S={S} dense K+V = {dense/1e6:.1f} MB; v rows read {info}")
+        for kname, metric, unit, val in kernels:
+            print(f"   {kname[:60]:60s} {metric:24s} {val} {unit}")
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=None, help="write JSON results here")
+    ap.add_argument("--quick", action="store_true", help="target settings only: B=8, S in {8192, 32768}, fp16")
+    ap.add_argument("--batch", type=int, nargs="*")
+    ap.add_argument("--seq", type=int, nargs="*")
+    ap.add_argument("--heads", type=lambda s: tuple(map(int, s.split(","))), nargs="*", help="e.g. 32,32 32,8")
+    ap.add_argument("--dtype", nargs="*", choices=list(DTYPES))
+    ap.add_argument("--sparsity", type=float, nargs="*", default=[0.0, 0.5, 0.75, 0.875, 0.95])
+    ap.add_argument("--sets", type=int, default=3, help="rotating input sets")
+    ap.add_argument("--logit-std", type=float, default=3.0)
+    ap.add_argument("--group-corr", type=float, default=0.0, help="correlation of q across a GQA group")
+    ap.add_argument("--check", action="store_true")
+    ap.add_argument("--tune", action="store_true")
+    ap.add_argument("--ncu", action="store_true")
+    ap.add_argument("--ncu-child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+
+    if args.ncu_child:
+        return run_ncu_child(args)
+    meta = dict(device=torch.cuda.get_device_name() if DEV == "cuda" else DEV, torch=torch.__version__, argv=sys.argv)
+    try:
+        import triton
+
+        meta["triton"] = triton.__version__
+    except ImportError:
+        pass
+    out = dict(meta=meta)
+    fails = 0
+    if args.check:
+        out["check"], fails = run_check(args)
+    if args.tune:
+        out["tune"] = run_tune(args)
+    if args.ncu:
+        out["ncu"] = run_ncu(args)
+    if not (args.check or args.tune or args.ncu):
+        out["sweep"] = run_sweep(args)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
+    if "sweep" in out:
+        print_table(out["sweep"])
+    if fails:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
