@@ -219,13 +219,11 @@ def run_tune(args):
     for (B, Hq, Hkv, S) in shapes:
         D, dt = 128, torch.float16
         sets = [make_inputs(B, Hq, Hkv, S, D, dt, 3.0, 0.0, gen) for _ in range(args.sets)]
-        etas = {sp: [thresholds(q, k, [sp])[0][0] for (q, k, v) in sets] for sp in (0.0, 0.875)}
+        etas = {sp: [thresholds(q, k, [sp])[0][0] for (q, k, v) in sets] for sp in (0.0, 0.875, 0.95)}
         scale = D**-0.5
         base = td.KernelConfig()
-        g1 = [dict(block_n1=bn, warps1=w, stages1=st) for bn in (64, 128) for w in (4, 8) for st in (2, 3, 4)]
-        if Hq == Hkv:
-            g1 += [dict(block_n1=bn, warps1=w, stages1=1, use_dot=False) for bn in (32, 64) for w in (4, 8)]
-        g1 += [dict(programs1=p) for p in (2, 4, 16, 32)]
+        g1 = [dict(block_n1=bn, warps1=w, stages1=st) for (bn, w) in ((64, 4), (128, 4), (128, 8), (256, 8)) for st in (2, 3, 4)]
+        g1 += [dict(block_n1=128, warps1=4, stages1=3, programs1=p) for p in (2, 4, 16, 32)]
         for kw in g1:
             cfg = td.KernelConfig(**{**base.__dict__, **kw})
             try:
@@ -237,11 +235,11 @@ def run_tune(args):
             results.append(dict(shape=[B, Hq, Hkv, S], pass_=1, cfg=kw, ms=t, k_tbps=gbs / 1e3))
             print(f"pass1 {B},{Hq},{Hkv},{S} {kw} {t:.4f} ms  K at {gbs/1e3:.2f} TB/s", flush=True)
         sts = [td.scores_pass(q, k, scale, None, base, False) for (q, k, v) in sets]
-        g2 = [dict(block_n2=bn, warps2=w, stages2=st) for bn in (32, 64, 128) for w in (4, 8) for st in (2, 3, 4, 5) if bn * st <= 512]
-        if Hq == Hkv:
-            g2 += [dict(block_n2=bn, warps2=w, stages2=1, use_dot=False) for bn in (32, 64) for w in (4, 8)]
+        g2 = [dict(block_n2=bn, warps2=w, stages2=st) for (bn, w) in ((32, 4), (64, 4), (64, 8), (128, 8)) for st in (2, 3, 4)]
+        g2 += [dict(block_a=ba) for ba in (128, 512, 1024)] + [dict(dense_pct=p) for p in (50, 80)]
         g2 += [dict(programs2=p) for p in (2, 4, 16, 32)]
-        for sp in (0.0, 0.875):
+        g2 += [dict(compact=False, block_n2=bn, warps2=4, stages2=st) for bn in (32, 64) for st in (1, 3)]
+        for sp in (0.0, 0.875, 0.95):
             for kw in g2:
                 cfg = td.KernelConfig(**{**base.__dict__, **kw})
                 args2 = [(sts[i], sets[i][2], etas[sp][i]) for i in range(len(sets))]
@@ -254,11 +252,11 @@ def run_tune(args):
                 print(f"pass2 {B},{Hq},{Hkv},{S} s={sp} {kw} {t:.4f} ms", flush=True)
         taus = [torch.full((B, Hq), 0.875, device=DEV, dtype=torch.float64)] * len(sets)
         stq = [td.scores_pass(q, k, scale, None, base, True) for (q, k, v) in sets]
-        for qb, qw in ((256, 4), (512, 4), (1024, 8), (2048, 8), (1024, 4)):
-            cfg = td.KernelConfig(**{**base.__dict__, "quantile_block": qb, "quantile_warps": qw})
+        for qb, qw, qs in ((256, 4, 3), (512, 4, 3), (512, 8, 3), (512, 8, 1), (512, 8, 5), (1024, 8, 3), (256, 8, 4)):
+            cfg = td.KernelConfig(**{**base.__dict__, "quantile_block": qb, "quantile_warps": qw, "quantile_stages": qs})
             t = bench(lambda st, tau: td.quantile_pass(st, tau, None, cfg), list(zip(stq, taus)))
-            results.append(dict(shape=[B, Hq, Hkv, S], pass_="quantile", cfg=[qb, qw], ms=t))
-            print(f"quantile {B},{Hq},{Hkv},{S} block {qb} warps {qw} {t:.4f} ms", flush=True)
+            results.append(dict(shape=[B, Hq, Hkv, S], pass_="quantile", cfg=[qb, qw, qs], ms=t))
+            print(f"quantile {B},{Hq},{Hkv},{S} block {qb} warps {qw} stages {qs} {t:.4f} ms", flush=True)
         t = bench(lambda q, k, v: sdpa_decode(q, k, v), sets)
         print(f"sdpa {B},{Hq},{Hkv},{S} {t:.4f} ms", flush=True)
         results.append(dict(shape=[B, Hq, Hkv, S], pass_="sdpa", ms=t))

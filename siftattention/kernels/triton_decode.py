@@ -52,8 +52,12 @@ class KernelConfig:
     # that feed a dot through shared memory (cp.async), so this is the default even
     # for MHA; the elementwise path loads to registers without prefetch.
     use_dot: bool = True
-    quantile_block: int = 1024
+    compact: bool = True  # filter pass: gather compacted kept rows (see _filter_kernel)
+    block_a: int = 256  # keys per iteration of the compaction scan
+    dense_pct: int = 101  # stream instead of gather when more than this % of rows is kept
+    quantile_block: int = 512
     quantile_warps: int = 8
+    quantile_stages: int = 3
 
 
 _SM_COUNT: dict[int, int] = {}
@@ -175,15 +179,54 @@ def _row_stats(Mst, Lst, row, g_mask, NUM_SPLITS, BLOCK_S: tl.constexpr):
 
 
 @triton.jit
+def _thresholds(Mst, Lst, Ast, Eta, row, g_mask, NUM_SPLITS1, BLOCK_S1: tl.constexpr, KEEP_ALL: tl.constexpr):
+    """Row max M, normaliser L, log2-domain threshold and argmax per head of the tile."""
+    m, l, mst, ptr, msk = _row_stats(Mst, Lst, row, g_mask, NUM_SPLITS1, BLOCK_S1)
+    l = tl.where(g_mask, l, 1.0)
+    if KEEP_ALL:
+        thr = tl.full(m.shape, float("-inf"), tl.float32)
+        amax = tl.full(m.shape, -1, tl.int32)
+    else:
+        ast = tl.load(Ast + ptr, mask=msk, other=_INT_MAX)
+        amax = tl.min(tl.where(mst == m[:, None], ast, _INT_MAX), axis=1)
+        eta = tl.load(Eta + row, mask=g_mask, other=1.0)
+        # p > eta  <=>  s2 > M + log2(eta) + log2(L)   (eta <= 0 gives -inf: keep all)
+        thr = m + tl.math.log2(eta) + tl.math.log2(l)
+    return m, l, thr, amax
+
+
+@triton.jit
+def _accumulate(acc, mass, s, idx, jm, thr, amax, m, g_mask, v_ptrs, vmask, DOT_PREC, DOT_UPCAST, USE_DOT):
+    """Add the kept keys of one tile (scores s [G, N] at positions idx [N]) to acc / mass."""
+    keep = ((s > thr[:, None]) | (idx[None, :] == amax[:, None])) & jm[None, :] & g_mask[:, None]
+    w = tl.where(keep, tl.math.exp2(s - m[:, None]), 0.0)
+    v = tl.load(v_ptrs, mask=vmask, other=0.0)
+    if USE_DOT:
+        acc += _dot(w.to(v.dtype), v, DOT_PREC, DOT_UPCAST)
+    else:
+        acc += tl.sum(w[:, :, None] * v[None, :, :].to(tl.float32), axis=1)
+    return acc, mass + tl.sum(w, axis=1), tl.sum(keep.to(tl.int32), axis=1)
+
+
+@triton.jit
 def _filter_kernel(
-    V, Scores, Mst, Lst, Ast, Eta, SeqLens, Part, Cnt, Mass,
+    V, Scores, Mst, Lst, Ast, Eta, SeqLens, Idx, Part, Cnt, Mass,
     stride_vb, stride_vh, stride_vs, stride_vd,
     S_MAX, SPLIT_LEN, NUM_SPLITS1, NUM_SPLITS2,
     HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S1: tl.constexpr,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_A: tl.constexpr,
+    BLOCK_S1: tl.constexpr,
     HAS_SEQ_LENS: tl.constexpr, USE_DOT: tl.constexpr, DOT_PREC: tl.constexpr, DOT_UPCAST: tl.constexpr,
-    KEEP_ALL: tl.constexpr,
+    KEEP_ALL: tl.constexpr, COMPACT: tl.constexpr, DENSE_PCT: tl.constexpr,
 ):
+    """Pass 2 over one split of one (batch, KV head).
+
+    Streaming mode reads the split's scores tile by tile and masks the V loads; its
+    loop carries a score load -> dependent V load chain, so at high sparsity it is
+    latency bound (few bytes per iteration). Compact mode first writes the positions
+    of the rows some head keeps to ``Idx`` (a prefix sum per tile), then gathers
+    only those V rows, BLOCK_N useful rows per iteration.
+    """
     split = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // HKV
@@ -196,18 +239,7 @@ def _filter_kernel(
     h = hkv * G + offs_g
     row = b.to(tl.int64) * HQ + h
 
-    m, l, mst, ptr, msk = _row_stats(Mst, Lst, row, g_mask, NUM_SPLITS1, BLOCK_S1)
-    inv_l = 1.0 / tl.where(g_mask, l, 1.0)
-    if KEEP_ALL:
-        thr = tl.full([BLOCK_G], float("-inf"), tl.float32)
-        amax = tl.full([BLOCK_G], -1, tl.int32)
-    else:
-        ast = tl.load(Ast + ptr, mask=msk, other=_INT_MAX)
-        amax = tl.min(tl.where(mst == m[:, None], ast, _INT_MAX), axis=1)
-        eta = tl.load(Eta + row, mask=g_mask, other=1.0)
-        # p > eta  <=>  s2 > M + log2(eta) + log2(L)   (eta <= 0 gives -inf: keep all)
-        thr = m + tl.math.log2(eta) + tl.math.log2(tl.where(g_mask, l, 1.0))
-
+    m, l, thr, amax = _thresholds(Mst, Lst, Ast, Eta, row, g_mask, NUM_SPLITS1, BLOCK_S1, KEEP_ALL)
     if HAS_SEQ_LENS:
         seq_len = tl.minimum(tl.load(SeqLens + b), S_MAX)
     else:
@@ -220,26 +252,52 @@ def _filter_kernel(
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     cnt = tl.zeros([BLOCK_G], tl.int32)
     mass = tl.zeros([BLOCK_G], tl.float32)
-    for n0 in range(start, end, BLOCK_N):
-        offs = n0 + offs_n
-        n_mask = offs < end
-        s = tl.load(s_base + offs[None, :], mask=g_mask[:, None] & n_mask[None, :], other=float("-inf"))
-        keep = (s > thr[:, None]) | (offs[None, :] == amax[:, None])
-        keep = keep & n_mask[None, :] & g_mask[:, None]
-        w = tl.where(keep, tl.math.exp2(s - m[:, None]), 0.0)
-        # A V row is read iff some head of the group keeps it; masked rows cost no traffic.
-        row_kept = tl.max(keep.to(tl.int32), axis=0) > 0
-        v = tl.load(
-            v_base + offs[:, None].to(tl.int64) * stride_vs + offs_d[None, :] * stride_vd,
-            mask=row_kept[:, None] & d_mask[None, :], other=0.0,
-        )
-        if USE_DOT:
-            acc += _dot(w.to(v.dtype), v, DOT_PREC, DOT_UPCAST)
-        else:
-            acc += tl.sum(w[:, :, None] * v[None, :, :].to(tl.float32), axis=1)
-        cnt += tl.sum(keep.to(tl.int32), axis=1)
-        mass += tl.sum(w, axis=1)
+    n_kept = start * 0
+    dense = True
+    if COMPACT:
+        # Phase A: positions of the rows that some head of the group keeps, in order.
+        idx_ptr = Idx + bh.to(tl.int64) * S_MAX + start
+        offs_a = tl.arange(0, BLOCK_A)
+        for n0 in range(start, end, BLOCK_A):
+            offs = n0 + offs_a
+            n_mask = offs < end
+            s = tl.load(s_base + offs[None, :], mask=g_mask[:, None] & n_mask[None, :], other=float("-inf"))
+            keep = ((s > thr[:, None]) | (offs[None, :] == amax[:, None])) & n_mask[None, :] & g_mask[:, None]
+            cnt += tl.sum(keep.to(tl.int32), axis=1)
+            rk = tl.max(keep.to(tl.int32), axis=0)
+            pos = tl.cumsum(rk, axis=0) - rk
+            tl.store(idx_ptr + n_kept + pos, offs, mask=rk > 0)
+            n_kept += tl.sum(rk, axis=0)
+        tl.debug_barrier()  # Idx written by this program's threads, read back below
+        dense = n_kept * 100 > (end - start) * DENSE_PCT
+        if not dense:
+            # Phase B: gather the kept rows, all useful, BLOCK_N per iteration.
+            for j in range(0, n_kept, BLOCK_N):
+                jj = j + offs_n
+                jm = jj < n_kept
+                idx = tl.load(idx_ptr + jj, mask=jm, other=0)
+                s = tl.load(s_base + idx[None, :], mask=g_mask[:, None] & jm[None, :], other=float("-inf"))
+                v_ptrs = v_base + idx[:, None].to(tl.int64) * stride_vs + offs_d[None, :] * stride_vd
+                acc, mass, _ = _accumulate(
+                    acc, mass, s, idx, jm, thr, amax, m, g_mask, v_ptrs, jm[:, None] & d_mask[None, :],
+                    DOT_PREC, DOT_UPCAST, USE_DOT,
+                )
+    if dense:
+        # Streaming: every tile, V loads masked to the rows some head keeps.
+        for n0 in range(start, end, BLOCK_N):
+            offs = n0 + offs_n
+            n_mask = offs < end
+            s = tl.load(s_base + offs[None, :], mask=g_mask[:, None] & n_mask[None, :], other=float("-inf"))
+            row_kept = tl.max(((s > thr[:, None]) | (offs[None, :] == amax[:, None])).to(tl.int32), axis=0) > 0
+            v_ptrs = v_base + offs[:, None].to(tl.int64) * stride_vs + offs_d[None, :] * stride_vd
+            acc, mass, c = _accumulate(
+                acc, mass, s, offs, n_mask, thr, amax, m, g_mask, v_ptrs,
+                (row_kept & n_mask)[:, None] & d_mask[None, :], DOT_PREC, DOT_UPCAST, USE_DOT,
+            )
+            if not COMPACT:
+                cnt += c
 
+    inv_l = 1.0 / l
     pst = row * NUM_SPLITS2 + split
     tl.store(Part + pst[:, None] * BLOCK_D + offs_d[None, :], acc * inv_l[:, None], mask=g_mask[:, None])
     tl.store(Cnt + pst, cnt, mask=g_mask)
@@ -293,7 +351,7 @@ def _quantile_kernel(
     Scores, Mst, Lst, Nst, Tau, SeqLens, Theta,
     S_MAX, NUM_SPLITS1,
     HQ: tl.constexpr, BLOCK_S1: tl.constexpr, BLOCK: tl.constexpr,
-    HAS_SEQ_LENS: tl.constexpr,
+    HAS_SEQ_LENS: tl.constexpr, STAGES: tl.constexpr,
 ):
     """theta = tau-quantile of one row's probabilities, torch.quantile's 'linear' rule.
 
@@ -332,12 +390,13 @@ def _quantile_kernel(
     while lo < hi:
         piv = lo + ((hi - lo) * piv_j) // NPIV  # piv[0] = lo; all < hi
         piv32 = piv.to(tl.int32)  # keys fit in int32; int32 compares are cheaper
-        cnt = tl.zeros([NPIV], tl.int32)
-        for n0 in range(0, n, BLOCK):
+        # Per-thread partial counts; one cross-thread reduction per pass, not per tile.
+        cnt2 = tl.zeros([NPIV, BLOCK], tl.int32)
+        for n0 in tl.range(0, n, BLOCK, num_stages=STAGES):
             idx = n0 + offs
-            key = _float_key(tl.load(s_row + idx, mask=idx < n, other=0.0))
-            le = (key[None, :] <= piv32[:, None]) & (idx[None, :] < n)
-            cnt += tl.sum(le.to(tl.int32), axis=1)
+            key = _float_key(tl.load(s_row + idx, mask=idx < n, other=float("inf")))
+            cnt2 += (key[None, :] <= piv32[:, None]).to(tl.int32)
+        cnt = tl.sum(cnt2, axis=1)
         ok = cnt >= k + 1
         hi = tl.minimum(hi, tl.min(tl.where(ok, piv, hi), axis=0))
         lo = tl.maximum(lo, tl.max(tl.where(ok, lo, piv + 1), axis=0))
@@ -345,7 +404,7 @@ def _quantile_kernel(
     t = lo.to(tl.int32)
     c_le = tl.zeros([BLOCK], tl.int32)
     nxt = tl.full([BLOCK], _INT_MAX, tl.int32)
-    for n0 in range(0, n, BLOCK):
+    for n0 in tl.range(0, n, BLOCK, num_stages=STAGES):
         idx = n0 + offs
         valid = idx < n
         key = _float_key(tl.load(s_row + idx, mask=valid, other=0.0))
@@ -416,9 +475,13 @@ def quantile_pass(st: dict, tau: torch.Tensor, seq_lens, cfg: KernelConfig) -> t
         st["scores"], st["mst"], st["lst"], st["nst"], tau, seq_lens if has_sl else tau, theta,
         mt["S"], st["ns1"],
         HQ=mt["Hq"], BLOCK_S1=triton.next_power_of_2(st["ns1"]), BLOCK=cfg.quantile_block,
-        HAS_SEQ_LENS=has_sl, num_warps=cfg.quantile_warps,
+        HAS_SEQ_LENS=has_sl, STAGES=cfg.quantile_stages, num_warps=cfg.quantile_warps,
     )
     return theta
+
+
+def pt_dummy(st: dict) -> torch.Tensor:
+    return st["ast"]  # placeholder pointer for an unused int32 buffer
 
 
 def filter_pass(st: dict, v_cache, eta, seq_lens, cfg: KernelConfig) -> dict:
@@ -427,8 +490,10 @@ def filter_pass(st: dict, v_cache, eta, seq_lens, cfg: KernelConfig) -> dict:
     B, Hq, Hkv, S = mt["B"], mt["Hq"], mt["Hkv"], mt["S"]
     dev = v_cache.device
     split2, ns2 = _split(S, B * Hkv, cfg.block_n2, cfg.programs2, mt["sms"])
+    compact = cfg.compact and eta is not None
     pt = dict(
         ns2=ns2,
+        idx=torch.empty(B * Hkv, S, device=dev, dtype=torch.int32) if compact else pt_dummy(st),
         part=torch.empty(B, Hq, ns2, mt["BLOCK_D"], device=dev, dtype=torch.float32),
         cnt=torch.empty(B, Hq, ns2, device=dev, dtype=torch.int32),
         mass=torch.empty(B, Hq, ns2, device=dev, dtype=torch.float32),
@@ -436,12 +501,13 @@ def filter_pass(st: dict, v_cache, eta, seq_lens, cfg: KernelConfig) -> dict:
     has_sl = seq_lens is not None
     _filter_kernel[(ns2, B * Hkv)](
         v_cache, st["scores"], st["mst"], st["lst"], st["ast"], eta if eta is not None else st["mst"],
-        seq_lens if has_sl else st["mst"], pt["part"], pt["cnt"], pt["mass"],
+        seq_lens if has_sl else st["mst"], pt["idx"], pt["part"], pt["cnt"], pt["mass"],
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
         S, split2, st["ns1"], ns2,
         HQ=Hq, HKV=Hkv, G=mt["G"], BLOCK_G=mt["BLOCK_G"], D=mt["D"], BLOCK_D=mt["BLOCK_D"],
-        BLOCK_N=cfg.block_n2, BLOCK_S1=triton.next_power_of_2(st["ns1"]), HAS_SEQ_LENS=has_sl,
+        BLOCK_N=cfg.block_n2, BLOCK_A=cfg.block_a, BLOCK_S1=triton.next_power_of_2(st["ns1"]), HAS_SEQ_LENS=has_sl,
         USE_DOT=mt["use_dot"], DOT_PREC=mt["prec"], DOT_UPCAST=mt["upcast"], KEEP_ALL=eta is None,
+        COMPACT=compact, DENSE_PCT=cfg.dense_pct,
         num_warps=cfg.warps2, num_stages=cfg.stages2,
     )
     return pt
