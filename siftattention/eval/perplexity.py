@@ -1,0 +1,83 @@
+"""Teacher-forced perplexity of methods, reported against their realized sparsity."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from ..hf import apply
+from ..methods import Method
+
+
+@dataclass
+class PerplexityResult:
+    method: str  # the spec as given
+    ppl: float
+    ppl_post_warmup: float
+    realized_sparsity: float
+    realized_sparsity_post_warmup: float
+    tokens: int
+    tokens_post_warmup: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def post_warmup_from(methods: Sequence[Method]) -> int:
+    """The common warmup W of a comparison: post-warmup means steps S > W for every method."""
+    return max((m.warmup for m in methods), default=0)
+
+
+@torch.no_grad()
+def token_nll(model: torch.nn.Module, window: torch.Tensor) -> torch.Tensor:
+    """Negative log-likelihood of tokens 1..L-1 of ``window`` [L]; entry i is predicted by row i (step S = i+1)."""
+    logits = model(window[None].to(model.device)).logits[0, :-1].float()
+    return torch.nn.functional.cross_entropy(logits, window[1:].to(logits.device), reduction="none").cpu()
+
+
+def evaluate_perplexity(
+    model: torch.nn.Module,
+    windows: torch.Tensor,
+    methods: Sequence[tuple[str, Method]],
+    *,
+    on_step: Callable[[str, int], None] | None = None,
+) -> tuple[list[PerplexityResult], int]:
+    """Perplexity and realized sparsity of each (spec, method) over the token windows [N, L].
+
+    ppl = exp(mean NLL over all predicted tokens of all windows); ``ppl_post_warmup`` uses
+    the tokens predicted by steps S > W, with W the largest warmup among the methods,
+    so every method's post-warmup figures cover the same tokens. Returns (results, W).
+    """
+    warm = post_warmup_from([m for _, m in methods])
+    results = []
+    for spec, method in methods:
+        nll_sum = nll_post = 0.0
+        n_tok = n_post = 0
+        sparsity_sum = sparsity_post_sum = 0.0
+        for i, window in enumerate(windows):
+            with apply(model, method) as handle:
+                nll = token_nll(model, window)
+                sparsity_sum += handle.stats.realized_sparsity()
+                sparsity_post_sum += handle.stats.realized_sparsity(min_step=warm + 1)
+            nll_sum += float(nll.double().sum())
+            n_tok += nll.numel()
+            nll_post += float(nll[warm:].double().sum())
+            n_post += nll[warm:].numel()
+            if on_step is not None:
+                on_step(spec, i)
+        n = len(windows)
+        results.append(
+            PerplexityResult(
+                method=spec,
+                ppl=math.exp(nll_sum / n_tok),
+                ppl_post_warmup=math.exp(nll_post / n_post) if n_post else float("nan"),
+                realized_sparsity=sparsity_sum / n,
+                realized_sparsity_post_warmup=sparsity_post_sum / n,
+                tokens=n_tok,
+                tokens_post_warmup=n_post,
+            )
+        )
+    return results, warm

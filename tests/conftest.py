@@ -1,0 +1,52 @@
+"""Shared fixtures: tiny random models for fast checks, the embedded model once per session."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach for a hub
+
+
+def tiny_llama(seed: int = 0, layers: int = 2, heads: int = 4, kv_heads: int = 2):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=kv_heads, max_position_embeddings=512, pad_token_id=0, eos_token_id=96, bos_token_id=1,
+    )
+    return LlamaForCausalLM(cfg).eval()
+
+
+def tiny_qwen2(seed: int = 0):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(
+        vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=1, max_position_embeddings=512, pad_token_id=0, eos_token_id=96, bos_token_id=1,
+    )
+    return Qwen2ForCausalLM(cfg).eval()
+
+
+@pytest.fixture(scope="session")
+def embedded():
+    """(model, tokenizer) of the embedded SmolLM2-135M-Instruct, loaded once."""
+    from siftattention.models import load_model
+
+    return load_model("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def wikitext_ids(embedded):
+    """A 256-token window of real text (WikiText-2 when present, else offline Wikipedia)."""
+    from siftattention.data import DataNotFoundError, load_corpus, token_windows
+
+    try:
+        corpus = load_corpus("wikitext2")
+    except DataNotFoundError:
+        corpus = load_corpus("wiki")
+    return token_windows(corpus.text, embedded[1], 256, 1)

@@ -1,0 +1,179 @@
+import copy
+
+import pytest
+import torch
+
+from conftest import tiny_llama, tiny_qwen2
+from siftattention import H2O, Full, Oracle, Sift, TopK, apply
+from siftattention.hf import UnsupportedModelError
+
+
+def _logits(model, ids, **kwargs):
+    with torch.no_grad():
+        return model(ids, **kwargs).logits
+
+
+def _eager_logits(model, ids, **kwargs):
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    try:
+        return _logits(model, ids, **kwargs)
+    finally:
+        model.set_attn_implementation(previous)
+
+
+@pytest.mark.parametrize("factory", [tiny_llama, tiny_qwen2], ids=["llama", "qwen2"])
+def test_full_matches_transformers_eager_attention(factory):
+    model = factory()
+    ids = torch.randint(3, 97, (2, 45))
+    ref = _eager_logits(model, ids)
+    with apply(model, Full()):
+        out = _logits(model, ids)
+    assert (out - ref).abs().max().item() <= 1e-4
+
+
+def test_full_matches_eager_on_the_embedded_model(embedded, wikitext_ids):
+    model, _ = embedded
+    ids = wikitext_ids[:, :200]
+    ref = _eager_logits(model, ids)
+    with apply(model, Full()):
+        out = _logits(model, ids)
+    assert (out - ref).abs().max().item() <= 1e-4
+
+
+class _KeepAllSift(Sift):
+    """Sift whose fitted threshold is forced to ~0, so it keeps every key."""
+
+    def _fit(self, state, which):
+        super()._fit(state, which)
+        state.alpha[which] = 0.0
+
+
+@pytest.mark.parametrize(
+    "method", [_KeepAllSift(tau=0.5, warmup=4), TopK(k=1.0), H2O(k=1.0)], ids=["sift-keep-all", "topk-1", "h2o-1"]
+)
+def test_methods_that_keep_everything_reproduce_full(method):
+    model = tiny_llama(seed=1)
+    ids = torch.randint(3, 97, (2, 40))
+    with apply(model, Full()):
+        ref = _logits(model, ids)
+    with apply(model, method) as handle:
+        out = _logits(model, ids)
+    assert (out - ref).abs().max().item() <= 1e-5
+    assert handle.stats.realized_sparsity(post_warmup=True) == pytest.approx(0.0, abs=1e-12)
+    if isinstance(method, Sift):
+        assert handle.stats.step_count(post_warmup=True) == 2 * (40 - 4)  # the approximation did run
+
+
+def test_approximating_methods_change_logits_and_restore_the_model():
+    model = tiny_llama(seed=2)
+    ids = torch.randint(3, 97, (1, 60))
+    previous = model.config._attn_implementation
+    ref = _logits(model, ids)
+    for method in (Sift(tau=0.75, warmup=8), TopK(k=0.25), H2O(k=0.25), Oracle(tau=0.75)):
+        with apply(model, method) as handle:
+            out = _logits(model, ids)
+            assert model.config._attn_implementation == handle.name
+        assert (out - ref).abs().max().item() > 1e-3
+        assert 0.2 < handle.stats.realized_sparsity() < 0.9
+        assert model.config._attn_implementation == previous
+        assert "generate" not in model.__dict__
+    torch.testing.assert_close(_logits(model, ids), ref)
+
+
+def test_plain_call_returns_a_handle_with_remove():
+    model = tiny_llama()
+    handle = apply(model, Sift(tau=0.5, warmup=4))
+    _logits(model, torch.randint(3, 97, (1, 20)))
+    assert handle.stats.alpha.shape == (2, 1, 4) and handle.stats.thetas.shape == (2, 1, 4, 4)
+    handle.remove()
+    handle.remove()  # idempotent
+    assert model.config._attn_implementation != handle.name
+
+
+def test_causal_masking_is_kept():
+    # Without the mask registration transformers would pass no mask: future tokens would leak.
+    model = tiny_llama(seed=3)
+    ids = torch.randint(3, 97, (1, 30))
+    changed = ids.clone()
+    changed[0, 20:] = (changed[0, 20:] + 7) % 90 + 3
+    with apply(model, Sift(tau=0.5, warmup=4)):
+        a, b = _logits(model, ids), _logits(model, changed)
+    torch.testing.assert_close(a[:, :20], b[:, :20])
+
+
+@pytest.mark.parametrize("where", ["tiny", "embedded"])
+def test_teacher_forced_equals_token_by_token_decode(where, request):
+    from transformers import DynamicCache
+
+    if where == "tiny":
+        model, ids = tiny_llama(seed=4), torch.randint(3, 97, (1, 64))
+    else:
+        # float64: in float32 the two modes differ by ~3e-5 of rounding, enough to flip a
+        # key sitting within 1e-7 of the threshold every few thousand rows on a real model.
+        model = copy.deepcopy(request.getfixturevalue("embedded")[0]).double()
+        ids = request.getfixturevalue("wikitext_ids")[:, :80]
+    method = Sift(tau=0.75, warmup=16)
+    with apply(model, method) as handle:
+        full = torch.log_softmax(_logits(model, ids), -1)
+        alpha_tf = handle.stats.alpha.clone()
+        cache = DynamicCache(config=model.config)
+        steps = []
+        with torch.no_grad():
+            for i in range(ids.shape[1]):
+                out = model(ids[:, i : i + 1], past_key_values=cache, use_cache=True)
+                cache = out.past_key_values
+                steps.append(torch.log_softmax(out.logits[:, -1], -1))
+        alpha_dec = handle.stats.alpha
+    stepwise = torch.stack(steps, dim=1)
+    torch.testing.assert_close(alpha_dec, alpha_tf, rtol=1e-5, atol=1e-7)  # same warmup, same fit
+    assert (stepwise - full).abs().max().item() <= 1e-4
+    assert handle.stats.realized_sparsity(post_warmup=True) > 0.3
+
+
+def test_generate_with_left_padding_matches_each_prompt_alone():
+    model = tiny_llama(seed=5)
+    torch.manual_seed(5)
+    short, long = torch.randint(3, 95, (1, 7)), torch.randint(3, 95, (1, 13))
+    method = Sift(tau=0.6, warmup=4)
+    gen = dict(max_new_tokens=14, do_sample=False, pad_token_id=0, eos_token_id=None)
+    alone = []
+    with apply(model, method) as handle:
+        for ids in (short, long):
+            alone.append(model.generate(ids, attention_mask=torch.ones_like(ids), **gen)[0, ids.shape[1] :])
+        alone_sparsity = handle.stats.realized_sparsity(post_warmup=True)
+        batch = torch.zeros(2, 13, dtype=torch.long)
+        mask = torch.zeros(2, 13, dtype=torch.long)
+        batch[0, 6:], mask[0, 6:] = short[0], 1  # left padding
+        batch[1], mask[1] = long[0], 1
+        out = model.generate(batch, attention_mask=mask, **gen)[:, 13:]
+        assert handle.stats.step_count() == 2 * (14 - 1)  # decode steps only, padding excluded
+        assert handle.stats.realized_sparsity(post_warmup=True) > 0.2
+    assert torch.equal(out[0], alone[0]) and torch.equal(out[1], alone[1])
+    assert alone_sparsity > 0.2
+
+
+def test_generate_prefills_exactly_and_counts_warmup_from_decoded_tokens():
+    model = tiny_llama(seed=6)
+    ids = torch.randint(3, 95, (1, 30))
+    with apply(model, Sift(tau=0.75, warmup=5)) as handle:
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=None)
+        state = handle.stats.state(0)
+        # Warmup steps are the first 5 decoded tokens: S = P+1 .. P+5 with P = 30.
+        assert state.theta_steps[0].tolist() == [31.0, 32.0, 33.0, 34.0, 35.0]
+        assert handle.stats.step_count() == 11 and handle.stats.step_count(post_warmup=True) == 6
+    with apply(model, Sift(tau=0.75, warmup=5, warmup_source="prefill")) as handle:
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=None)
+        state = handle.stats.state(0)
+        assert state.theta_steps[0].tolist() == [26.0, 27.0, 28.0, 29.0, 30.0]  # the last prompt rows
+        assert handle.stats.step_count(post_warmup=True) == 11  # approximation from the first decoded token
+
+
+def test_model_without_the_attention_interface_is_refused_by_name():
+    from transformers import BloomConfig, BloomForCausalLM
+
+    model = BloomForCausalLM(BloomConfig(vocab_size=50, hidden_size=32, n_layer=1, n_head=2))
+    with pytest.raises(UnsupportedModelError, match="BloomForCausalLM"):
+        apply(model, Sift())
+    with pytest.raises(TypeError, match="method must be"):
+        apply(tiny_llama(), "sift")
