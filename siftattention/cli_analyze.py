@@ -66,7 +66,7 @@ def analyze(model: str, dataset: str, data_file: str | None, seq_len: int, num_s
             out: Path | None, figures: bool) -> None:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-    from .eval.analysis import check_lengths, parse_taus, parse_warmups, run_analysis
+    from .eval.analysis import check_lengths, load_analysis_corpus, parse_taus, parse_warmups, run_analysis
 
     if out is None:
         out = Path("runs") / "analysis" / f"{Path(model).name}-{dataset}"
@@ -78,9 +78,10 @@ def analyze(model: str, dataset: str, data_file: str | None, seq_len: int, num_s
         check_lengths(seq_len, num_seqs)
         parse_taus(taus)
         parse_warmups(warmups, seq_len)
+        corpus = load_analysis_corpus(dataset, data_file)
         columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn()]
         with Progress(*columns, console=err_console, transient=False) as progress:
-            load_task = progress.add_task(f"loading {model} and {dataset}", total=None)
+            load_task = progress.add_task(f"loading {model}", total=None)
             tasks: dict[str, int] = {}
 
             def on_loaded(loaded_model, windows, source: str) -> None:
@@ -99,7 +100,7 @@ def analyze(model: str, dataset: str, data_file: str | None, seq_len: int, num_s
                 progress.update(tasks["layers"], completed=0)
 
             result = run_analysis(model, dataset, data_file=data_file, seq_len=seq_len, num_seqs=num_seqs, taus=taus,
-                                  warmups=warmups, on_loaded=on_loaded, on_window=on_window, on_layer=on_layer)
+                                  warmups=warmups, corpus=corpus, on_loaded=on_loaded, on_window=on_window, on_layer=on_layer)
     except _user_errors() as err:
         raise AnalyzeError(str(err).splitlines()[0] if str(err) else type(err).__name__) from None
     result.command = command

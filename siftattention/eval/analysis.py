@@ -482,6 +482,16 @@ def peak_rss_mb() -> float:
     return peak / (1024 * 1024) if sys.platform == "darwin" else peak / 1024
 
 
+def load_analysis_corpus(dataset: str, data_file: str | None = None):
+    """``data.load_corpus`` that also refuses an empty corpus (before any model is loaded)."""
+    from ..data import load_corpus
+
+    corpus = load_corpus(dataset, data_file)
+    if not corpus.text.strip():
+        raise AnalysisError(f"the corpus is empty ({corpus.source})")
+    return corpus
+
+
 def run_analysis(
     model_name: str,
     dataset: str,
@@ -492,22 +502,21 @@ def run_analysis(
     taus: str | Sequence[float] = "0.5,0.75,0.875",
     warmups: str | Sequence[int] = "64,128,256,512",
     loaded: tuple[Any, Any] | None = None,
+    corpus: Any = None,
     on_loaded: Callable[[Any, torch.Tensor, str], None] | None = None,
     on_window: Callable[[int], None] | None = None,
     on_layer: Callable[[int], None] | None = None,
     workers: int = 1,
 ) -> AnalysisResult:
     """Validate, load corpus then model, record, fit. Cheap checks run before any slow work."""
-    from ..data import load_corpus, token_windows
+    from ..data import token_windows
     from ..models import load_model
 
     start = time.perf_counter()
     check_lengths(seq_len, num_seqs)
     tau_items = parse_taus(taus)
     warm_items = parse_warmups(warmups, seq_len)
-    corpus = load_corpus(dataset, data_file)
-    if not corpus.text.strip():
-        raise AnalysisError(f"the corpus is empty ({corpus.source})")
+    corpus = corpus if corpus is not None else load_analysis_corpus(dataset, data_file)
     model, tokenizer = loaded if loaded is not None else load_model(model_name)
     loaded_at = time.perf_counter()
     try:
