@@ -28,9 +28,10 @@ class LayerRecord:
     approx: list[torch.Tensor] = field(default_factory=list)  # [B, R] approximated (post-warmup) rows
 
     def add(self, steps: torch.Tensor, kept: torch.Tensor, approx: torch.Tensor) -> None:
-        self.steps.append(steps.detach().to("cpu", torch.int32))
-        self.kept.append(kept.detach().to("cpu", torch.int32))
-        self.approx.append(approx.detach().cpu())
+        # Kept on the tensors' device: a copy to the host here would stall every decode step.
+        self.steps.append(steps.detach().int())
+        self.kept.append(kept.detach().int())
+        self.approx.append(approx.detach())
 
 
 def valid_keys(mask: torch.Tensor | None, q_len: int, k_len: int, batch: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:

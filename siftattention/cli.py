@@ -181,6 +181,11 @@ def list_models() -> None:
         console.print(f"{name:14s} {entry.description}")
 
 
+from .cli_analyze import analyze  # noqa: E402  (the command lives beside its analysis code)
+
+cli.add_command(analyze)
+
+
 # Errors a user can cause: one line on stderr, exit status 2, no traceback.
 def _user_errors() -> tuple[type[BaseException], ...]:
     from .data import DataNotFoundError

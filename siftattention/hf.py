@@ -82,9 +82,9 @@ class SiftStats:
             rec = self._handle.records[layer]
             if not rec.steps:
                 continue
-            steps = torch.cat(rec.steps, dim=1).double()
-            kept = torch.cat(rec.kept, dim=2).double()
-            approx = torch.cat(rec.approx, dim=1)
+            steps = torch.cat(rec.steps, dim=1).cpu().double()
+            kept = torch.cat(rec.kept, dim=2).cpu().double()
+            approx = torch.cat(rec.approx, dim=1).cpu()
             sel = (steps >= max(1, min_step)) & (approx if post_warmup else torch.ones_like(approx))
             sparsity.append(1.0 - kept / steps.clamp(min=1)[:, None, :])
             selected.append(sel[:, None, :])
@@ -114,9 +114,12 @@ class SiftStats:
 class SiftHandle:
     """An applied method. Use as a context manager, or call ``remove()``."""
 
-    def __init__(self, model: PreTrainedModel, method: Method) -> None:
+    def __init__(self, model: PreTrainedModel, method: Method, decode_backend: str | None = "auto") -> None:
+        if decode_backend not in (None, "auto", "torch", "triton"):
+            raise ValueError(f"decode_backend must be None, 'auto', 'torch' or 'triton', got {decode_backend!r}")
         self.model = model
         self.method = method
+        self.decode_backend = decode_backend
         self.name = f"sift_{next(_ids)}"
         self.states: dict[int, Any] = {}
         self.records: dict[int, LayerRecord] = {}
@@ -124,6 +127,8 @@ class SiftHandle:
         self.stats = SiftStats(self)
         self._layer_ids: dict[int, int] = {}
         self._batch: dict[int, int] = {}
+        self._decoded: dict[int, int] = {}  # decode steps per layer since the prefill (host-side)
+        self._prefix_ok: dict[int, bool] = {}  # valid keys form a prefix (kernel path possible)
         self._previous = model.config._attn_implementation
         self._installed = False
         self._install()
@@ -183,6 +188,8 @@ class SiftHandle:
         """Forget all per-sequence state and records (a new batch of sequences starts)."""
         self.states.clear()
         self.records.clear()
+        self._decoded.clear()
+        self._prefix_ok.clear()
 
     # -- the attention function ---------------------------------------------------------
     def _layer_index(self, module: torch.nn.Module) -> int:
@@ -215,6 +222,13 @@ class SiftHandle:
             self._batch[layer] = B
         valid, bias = valid_keys(attention_mask, Q, K, B, query.device)
         prefill = self.decoding and Q > 1
+        scaling = D**-0.5 if scaling is None else scaling
+        if prefill:
+            # One sync per layer and prompt: may later steps use the kernels' prefix layout?
+            self._prefix_ok[layer] = bias is None and bool(valid[:, 0, -1].all())
+            self._decoded[layer] = 0
+        elif self._use_decode_kernels(layer, query, Q, bias, kwargs):
+            return self._kernel_decode_step(layer, state, query, key, value, valid, scaling)
         out = method_attention(
             self.method,
             state,
@@ -222,7 +236,7 @@ class SiftHandle:
             key,
             value,
             valid,
-            scaling=D**-0.5 if scaling is None else scaling,
+            scaling=scaling,
             bias=bias,
             softcap=kwargs.get("softcap"),
             prefill=prefill,
@@ -230,11 +244,39 @@ class SiftHandle:
         )
         if prefill:
             self.method.finish_prefill(state)
+        elif self.decoding and layer in self._decoded:
+            self._decoded[layer] += 1
+        return out.transpose(1, 2).contiguous(), None
+
+    def _use_decode_kernels(self, layer: int, query: torch.Tensor, q_len: int, bias: torch.Tensor | None, kwargs: dict) -> bool:
+        from .methods.sift import Sift
+
+        if self.decode_backend is None or not self.decoding or q_len != 1 or not isinstance(self.method, Sift):
+            return False
+        if bias is not None or kwargs.get("softcap") is not None or not self._prefix_ok.get(layer, False):
+            return False
+        return self.decode_backend != "auto" or query.is_cuda
+
+    def _kernel_decode_step(self, layer, state, query, key, value, valid, scaling) -> tuple[torch.Tensor, None]:
+        from .fast_decode import sift_decode_step
+
+        seq_lens = valid[:, 0, 0].sum(-1)  # valid keys form a prefix: its length, on the device
+        out, kept, approx = sift_decode_step(
+            self.method, state, query, key, value, seq_lens, scaling=scaling, decoded=self._decoded[layer], backend=self.decode_backend
+        )
+        self._decoded[layer] += 1
+        B = query.shape[0]
+        self.records[layer].add(seq_lens[:, None], kept[:, :, None], torch.full((B, 1), approx, device=query.device))
         return out.transpose(1, 2).contiguous(), None
 
 
-def apply(model: PreTrainedModel, method: Method) -> SiftHandle:
+def apply(model: PreTrainedModel, method: Method, *, decode_backend: str | None = "auto") -> SiftHandle:
     """Run ``model``'s attention through ``method`` until the handle is removed.
+
+    ``decode_backend`` picks the decode-step path of Sift inside ``generate``: "auto"
+    uses the fused kernels (``siftattention.kernels``) on CUDA and the reference
+    attention elsewhere; "torch"/"triton" force the kernel entry points with that
+    backend; None always uses the reference attention.
 
     >>> with apply(model, Sift(tau=0.875, warmup=128)) as handle:
     ...     out = model.generate(**inputs, max_new_tokens=256)
@@ -242,4 +284,4 @@ def apply(model: PreTrainedModel, method: Method) -> SiftHandle:
     """
     if not isinstance(method, Method):
         raise TypeError(f"method must be a siftattention method (Full, TopK, H2O, Sift, Oracle), got {type(method).__name__}")
-    return SiftHandle(model, method)
+    return SiftHandle(model, method, decode_backend)

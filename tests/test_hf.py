@@ -177,3 +177,24 @@ def test_model_without_the_attention_interface_is_refused_by_name():
         apply(model, Sift())
     with pytest.raises(TypeError, match="method must be"):
         apply(tiny_llama(), "sift")
+
+
+@pytest.mark.parametrize("source", ["decode", "prefill"])
+def test_kernel_decode_path_matches_the_reference_path(source):
+    """generate() through siftattention.kernels (torch backend on CPU) = the reference attention."""
+    model = tiny_llama(seed=7, heads=8, kv_heads=2)
+    ids = torch.randint(3, 95, (2, 21))
+    gen = dict(attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False, pad_token_id=0, eos_token_id=None)
+    results = {}
+    for backend in (None, "torch"):
+        with apply(model, Sift(tau=0.7, warmup=6, warmup_source=source), decode_backend=backend) as handle:
+            tokens = model.generate(ids, **gen)
+            results[backend] = (tokens, handle.stats.realized_sparsity(post_warmup=True), handle.stats.alpha.clone())
+    assert torch.equal(results[None][0], results["torch"][0])
+    assert results["torch"][1] == pytest.approx(results[None][1], abs=1e-12) and results[None][1] > 0.2
+    torch.testing.assert_close(results["torch"][2], results[None][2], rtol=1e-5, atol=1e-7)
+
+
+def test_decode_backend_is_validated():
+    with pytest.raises(ValueError, match="decode_backend"):
+        apply(tiny_llama(), Sift(), decode_backend="cuda")

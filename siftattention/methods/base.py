@@ -61,9 +61,10 @@ def check_fraction(name: str, value: float, *, low_open: bool = True, high_open:
     return float(value)
 
 
-def keep_row_max(probs: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """Add each row's largest probability to ``keep`` so that no row goes empty."""
-    return keep | (probs >= probs.amax(dim=-1, keepdim=True)) & (probs > 0)
+def keep_row_max(probs: torch.Tensor, keep: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Add each row's largest probability (one key: the first argmax) so no row goes empty."""
+    top = torch.zeros_like(keep).scatter_(-1, probs.argmax(dim=-1, keepdim=True), True)
+    return (keep | top) & valid
 
 
 class Method:

@@ -26,5 +26,5 @@ class Oracle(Method):
     def select(self, rows: Rows, state: None) -> Selection:
         valid = rows.valid.expand_as(rows.probs)
         eta = masked_quantile(rows.probs, valid, self.tau)
-        keep = keep_row_max(rows.probs, (rows.probs > eta.unsqueeze(-1)) & valid)
+        keep = keep_row_max(rows.probs, rows.probs > eta.unsqueeze(-1), valid)
         return Selection(keep=keep, approx=rows.is_step)

@@ -95,7 +95,7 @@ class Sift(Method):
         if not bool(approx.any()):
             return Selection(keep=None, approx=approx)
         eta = predict(state.alpha[:, :, None], state.beta[:, :, None], rows.steps[:, None, :].float())  # [B, H, R]
-        keep = keep_row_max(rows.probs, rows.probs > eta.unsqueeze(-1)) & rows.valid
+        keep = keep_row_max(rows.probs, rows.probs > eta.unsqueeze(-1), rows.valid)
         keep = torch.where(approx[:, None, :, None], keep, rows.valid)
         return Selection(keep=keep, approx=approx)
 
