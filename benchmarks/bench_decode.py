@@ -222,23 +222,23 @@ def run_tune(args):
         etas = {sp: [thresholds(q, k, [sp])[0][0] for (q, k, v) in sets] for sp in (0.0, 0.875, 0.95)}
         scale = D**-0.5
         base = td.KernelConfig()
-        g1 = [dict(block_n1=bn, warps1=w, stages1=st) for (bn, w) in ((64, 4), (128, 4), (128, 8), (256, 8)) for st in (2, 3, 4)]
-        g1 += [dict(block_n1=128, warps1=4, stages1=3, programs1=p) for p in (2, 4, 16, 32)]
+        g1 = [{}, dict(stages1=2), dict(block_n1=256, warps1=8, stages1=2), dict(block_n1=64, stages1=4)]
+        g1 += [dict(programs1=p) for p in (8, 16, 64)]
         for kw in g1:
             cfg = td.KernelConfig(**{**base.__dict__, **kw})
             try:
-                t = bench(lambda q, k, v: td.scores_pass(q, k, scale, None, cfg, False), sets)
+                t = bench(lambda q, k, v: td.scores_pass(q, k, scale, None, cfg), sets)
             except Exception as e:  # noqa: BLE001 - report configs that fail to compile
                 t = float("nan")
                 print("fail", kw, repr(e)[:200])
             gbs = B * Hkv * S * D * 2 / t / 1e6
             results.append(dict(shape=[B, Hq, Hkv, S], pass_=1, cfg=kw, ms=t, k_tbps=gbs / 1e3))
             print(f"pass1 {B},{Hq},{Hkv},{S} {kw} {t:.4f} ms  K at {gbs/1e3:.2f} TB/s", flush=True)
-        sts = [td.scores_pass(q, k, scale, None, base, False) for (q, k, v) in sets]
-        g2 = [dict(block_n2=bn, warps2=w, stages2=st) for (bn, w) in ((32, 4), (64, 4), (64, 8), (128, 8)) for st in (2, 3, 4)]
-        g2 += [dict(block_a=ba) for ba in (128, 512, 1024)] + [dict(dense_pct=p) for p in (50, 80)]
-        g2 += [dict(programs2=p) for p in (2, 4, 16, 32)]
-        g2 += [dict(compact=False, block_n2=bn, warps2=4, stages2=st) for bn in (32, 64) for st in (1, 3)]
+        sts = [td.scores_pass(q, k, scale, None, base) for (q, k, v) in sets]
+        g2 = [{}] + [dict(block_n2=bn, stages2=st) for bn in (32, 64) for st in (2, 3, 4) if (bn, st) != (32, 3)]
+        g2 += [dict(block_a=ba) for ba in (512, 2048, 4096)] + [dict(dense_pct=60)]
+        g2 += [dict(programs2=p) for p in (4, 16, 32)]
+        g2 += [dict(compact=False, block_n2=bn) for bn in (32, 64)]
         for sp in (0.0, 0.875, 0.95):
             for kw in g2:
                 cfg = td.KernelConfig(**{**base.__dict__, **kw})
@@ -251,8 +251,8 @@ def run_tune(args):
                 results.append(dict(shape=[B, Hq, Hkv, S], pass_=2, sparsity=sp, cfg=kw, ms=t))
                 print(f"pass2 {B},{Hq},{Hkv},{S} s={sp} {kw} {t:.4f} ms", flush=True)
         taus = [torch.full((B, Hq), 0.875, device=DEV, dtype=torch.float64)] * len(sets)
-        stq = [td.scores_pass(q, k, scale, None, base, True) for (q, k, v) in sets]
-        for qb, qw, qs in ((256, 4, 3), (512, 4, 3), (512, 8, 3), (512, 8, 1), (512, 8, 5), (1024, 8, 3), (256, 8, 4)):
+        stq = [td.scores_pass(q, k, scale, None, base) for (q, k, v) in sets]
+        for qb, qw, qs in ((512, 4, 3), (512, 8, 3), (1024, 8, 3), (1024, 4, 3), (2048, 8, 3), (1024, 8, 1), (4096, 8, 2)):
             cfg = td.KernelConfig(**{**base.__dict__, "quantile_block": qb, "quantile_warps": qw, "quantile_stages": qs})
             t = bench(lambda st, tau: td.quantile_pass(st, tau, None, cfg), list(zip(stq, taus)))
             results.append(dict(shape=[B, Hq, Hkv, S], pass_="quantile", cfg=[qb, qw, qs], ms=t))

@@ -6,16 +6,17 @@ One query token per sequence, memory bound. The pipeline, per call:
    head), all query heads of the GQA group together): reads every K row once,
    writes float32 scores in the log2 domain (``s2 = scale * log2(e) * q.k``, 4 bytes
    per key and query head, vs 2*D bytes of K per key) and per-split softmax
-   statistics (max, sum of exp2, first argmax, and the min for the warmup search).
+   statistics (max, sum of exp2, first argmax).
 2. ``_quantile_kernel`` (warmup only, one program per (batch, query head)): exact
-   tau-quantile of the probabilities by a 16-way search over the order-preserving
-   integer image of the float32 scores (no sort; 9 passes over the row at most, on
-   scores that pass 1 just left in L2).
+   tau-quantile of the probabilities by radix select over the order-preserving
+   32-bit image of the float32 scores (no sort: 4 histogram passes of 8 bits and
+   one pass for the next order statistic).
 3. ``_filter_kernel`` (split-K): merges the split statistics into the row max ``M``
    and normaliser ``L``, turns eta into the log2-domain threshold
-   ``M + log2(eta) + log2(L)``, reads the stored scores and loads only the V rows
-   that some head of the group keeps (masked loads: a fully masked row issues no
-   memory request). Partial outputs are already divided by ``L``, so splits add up.
+   ``M + log2(eta) + log2(L)``, compacts the positions of the rows that some head of
+   the group keeps and gathers only those V rows (or streams with masked V loads
+   when nothing is filtered). Partial outputs are already divided by ``L``, so
+   splits add up.
 4. ``_combine_kernel``: sums the split partials, renormalises if asked, writes the
    output in the input dtype and the kept counts.
 
@@ -40,11 +41,11 @@ _INT_MAX = tl.constexpr(2147483647)
 class KernelConfig:
     """Launch parameters. ``None`` fields are filled by :func:`default_config`."""
 
-    block_n1: int = 64  # keys per iteration in the scores pass
+    block_n1: int = 128  # keys per iteration in the scores pass
     warps1: int = 4
     stages1: int = 3
-    programs1: int = 8  # target programs per SM for the scores pass (sets the split)
-    block_n2: int = 64  # keys per iteration in the filter pass
+    programs1: int = 32  # target programs per SM for the scores pass (sets the split)
+    block_n2: int = 32  # V rows per iteration in the filter pass
     warps2: int = 4
     stages2: int = 3
     programs2: int = 8
@@ -53,7 +54,7 @@ class KernelConfig:
     # for MHA; the elementwise path loads to registers without prefetch.
     use_dot: bool = True
     compact: bool = True  # filter pass: gather compacted kept rows (see _filter_kernel)
-    block_a: int = 256  # keys per iteration of the compaction scan
+    block_a: int = 1024  # keys per iteration of the compaction scan
     dense_pct: int = 101  # stream instead of gather when more than this % of rows is kept
     quantile_block: int = 512
     quantile_warps: int = 8
@@ -95,14 +96,13 @@ def _dot(a, b, PREC: tl.constexpr, UPCAST: tl.constexpr):
 
 @triton.jit
 def _scores_kernel(
-    Q, K, Scores, Mst, Lst, Ast, Nst, SeqLens,
+    Q, K, Scores, Mst, Lst, Ast, SeqLens,
     stride_qb, stride_qh, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     qk_scale, S_MAX, SPLIT_LEN, NUM_SPLITS,
     HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_SEQ_LENS: tl.constexpr, USE_DOT: tl.constexpr, DOT_PREC: tl.constexpr, DOT_UPCAST: tl.constexpr,
-    TRACK_MIN: tl.constexpr,
 ):
     split = tl.program_id(0)
     bh = tl.program_id(1)
@@ -132,7 +132,6 @@ def _scores_kernel(
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     a_i = tl.zeros([BLOCK_G], tl.int32)
-    n_i = tl.full([BLOCK_G], float("inf"), tl.float32)
     for n0 in range(start, end, BLOCK_N):
         offs = n0 + offs_n
         n_mask = offs < end
@@ -153,42 +152,43 @@ def _scores_kernel(
         m_new = tl.maximum(m_i, m_blk)
         l_i = l_i * tl.math.exp2(m_i - m_new) + tl.sum(tl.math.exp2(s - m_new[:, None]), axis=1)
         m_i = m_new
-        if TRACK_MIN:
-            n_i = tl.minimum(n_i, tl.min(tl.where(n_mask[None, :], s, float("inf")), axis=1))
 
     st = row * NUM_SPLITS + split
     tl.store(Mst + st, m_i, mask=g_mask)
     tl.store(Lst + st, l_i, mask=g_mask)
     tl.store(Ast + st, a_i, mask=g_mask)
-    if TRACK_MIN:
-        tl.store(Nst + st, n_i, mask=g_mask)
 
 
 @triton.jit
-def _row_stats(Mst, Lst, row, g_mask, NUM_SPLITS, BLOCK_S: tl.constexpr):
-    """Merge per-split (max, sum) into the row max M and normaliser L (log2 domain)."""
-    offs_s = tl.arange(0, BLOCK_S)
-    ptr = row[:, None] * NUM_SPLITS + offs_s[None, :]
-    msk = g_mask[:, None] & (offs_s[None, :] < NUM_SPLITS)
-    mst = tl.load(Mst + ptr, mask=msk, other=float("-inf"))
-    lst = tl.load(Lst + ptr, mask=msk, other=0.0)
-    m = tl.max(mst, axis=1)
+def _row_stats(Mst, Lst, Ast, row, g_mask, NUM_SPLITS):
+    """Merge per-split (max, sum, argmax) into the row max M, normaliser L, argmax.
+
+    A sequential loop over the splits, elementwise per head: the result does not
+    depend on the head tile's shape or layout, so two tiles of one program (the
+    compaction scan and the gather) make bit-identical keep decisions.
+    """
+    m = tl.full(row.shape, float("-inf"), tl.float32)
+    for j in range(NUM_SPLITS):
+        m = tl.maximum(m, tl.load(Mst + row * NUM_SPLITS + j, mask=g_mask, other=float("-inf")))
     m = tl.where(g_mask, m, 0.0)  # padded heads: keep arithmetic finite
-    l = tl.sum(tl.where(msk, lst * tl.math.exp2(mst - m[:, None]), 0.0), axis=1)
-    return m, l, mst, ptr, msk
+    l = tl.zeros(row.shape, tl.float32)
+    amax = tl.full(row.shape, _INT_MAX, tl.int32)
+    for j in range(NUM_SPLITS):
+        mj = tl.load(Mst + row * NUM_SPLITS + j, mask=g_mask, other=float("-inf"))
+        lj = tl.load(Lst + row * NUM_SPLITS + j, mask=g_mask, other=0.0)
+        l += lj * tl.math.exp2(mj - m)
+        aj = tl.load(Ast + row * NUM_SPLITS + j, mask=g_mask, other=_INT_MAX)
+        amax = tl.where((mj == m) & (aj < amax), aj, amax)  # first argmax overall
+    return m, tl.where(g_mask, l, 1.0), amax
 
 
 @triton.jit
-def _thresholds(Mst, Lst, Ast, Eta, row, g_mask, NUM_SPLITS1, BLOCK_S1: tl.constexpr, KEEP_ALL: tl.constexpr):
+def _thresholds(Mst, Lst, Ast, Eta, row, g_mask, NUM_SPLITS1, KEEP_ALL: tl.constexpr):
     """Row max M, normaliser L, log2-domain threshold and argmax per head of the tile."""
-    m, l, mst, ptr, msk = _row_stats(Mst, Lst, row, g_mask, NUM_SPLITS1, BLOCK_S1)
-    l = tl.where(g_mask, l, 1.0)
+    m, l, amax = _row_stats(Mst, Lst, Ast, row, g_mask, NUM_SPLITS1)
     if KEEP_ALL:
         thr = tl.full(m.shape, float("-inf"), tl.float32)
-        amax = tl.full(m.shape, -1, tl.int32)
     else:
-        ast = tl.load(Ast + ptr, mask=msk, other=_INT_MAX)
-        amax = tl.min(tl.where(mst == m[:, None], ast, _INT_MAX), axis=1)
         eta = tl.load(Eta + row, mask=g_mask, other=1.0)
         # p > eta  <=>  s2 > M + log2(eta) + log2(L)   (eta <= 0 gives -inf: keep all)
         thr = m + tl.math.log2(eta) + tl.math.log2(l)
@@ -213,9 +213,8 @@ def _filter_kernel(
     V, Scores, Mst, Lst, Ast, Eta, SeqLens, Idx, Part, Cnt, Mass,
     stride_vb, stride_vh, stride_vs, stride_vd,
     S_MAX, SPLIT_LEN, NUM_SPLITS1, NUM_SPLITS2,
-    HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
+    HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_GA: tl.constexpr,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_A: tl.constexpr,
-    BLOCK_S1: tl.constexpr,
     HAS_SEQ_LENS: tl.constexpr, USE_DOT: tl.constexpr, DOT_PREC: tl.constexpr, DOT_UPCAST: tl.constexpr,
     KEEP_ALL: tl.constexpr, COMPACT: tl.constexpr, DENSE_PCT: tl.constexpr,
 ):
@@ -223,9 +222,11 @@ def _filter_kernel(
 
     Streaming mode reads the split's scores tile by tile and masks the V loads; its
     loop carries a score load -> dependent V load chain, so at high sparsity it is
-    latency bound (few bytes per iteration). Compact mode first writes the positions
-    of the rows some head keeps to ``Idx`` (a prefix sum per tile), then gathers
-    only those V rows, BLOCK_N useful rows per iteration.
+    latency bound (few useful bytes per iteration). Compact mode first writes the
+    positions of the rows some head keeps to ``Idx`` (prefix sum per tile, on a head
+    tile of G rows, not the 16 the dot needs), then gathers only those V rows,
+    BLOCK_N useful rows per iteration. Rows where every eta <= 0 (nothing to filter)
+    and splits kept above DENSE_PCT percent stream.
     """
     split = tl.program_id(0)
     bh = tl.program_id(1)
@@ -236,10 +237,9 @@ def _filter_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     g_mask = offs_g < G
     d_mask = offs_d < D
-    h = hkv * G + offs_g
-    row = b.to(tl.int64) * HQ + h
+    row = b.to(tl.int64) * HQ + hkv * G + offs_g
 
-    m, l, thr, amax = _thresholds(Mst, Lst, Ast, Eta, row, g_mask, NUM_SPLITS1, BLOCK_S1, KEEP_ALL)
+    m, l, thr, amax = _thresholds(Mst, Lst, Ast, Eta, row, g_mask, NUM_SPLITS1, KEEP_ALL)
     if HAS_SEQ_LENS:
         seq_len = tl.minimum(tl.load(SeqLens + b), S_MAX)
     else:
@@ -250,40 +250,50 @@ def _filter_kernel(
     v_base = V + b.to(tl.int64) * stride_vb + hkv.to(tl.int64) * stride_vh
     s_base = Scores + row[:, None] * S_MAX
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    cnt = tl.zeros([BLOCK_G], tl.int32)
     mass = tl.zeros([BLOCK_G], tl.float32)
-    n_kept = start * 0
+    pst = row * NUM_SPLITS2 + split
     dense = True
     if COMPACT:
-        # Phase A: positions of the rows that some head of the group keeps, in order.
-        idx_ptr = Idx + bh.to(tl.int64) * S_MAX + start
-        offs_a = tl.arange(0, BLOCK_A)
-        for n0 in range(start, end, BLOCK_A):
-            offs = n0 + offs_a
-            n_mask = offs < end
-            s = tl.load(s_base + offs[None, :], mask=g_mask[:, None] & n_mask[None, :], other=float("-inf"))
-            keep = ((s > thr[:, None]) | (offs[None, :] == amax[:, None])) & n_mask[None, :] & g_mask[:, None]
-            cnt += tl.sum(keep.to(tl.int32), axis=1)
-            rk = tl.max(keep.to(tl.int32), axis=0)
-            pos = tl.cumsum(rk, axis=0) - rk
-            tl.store(idx_ptr + n_kept + pos, offs, mask=rk > 0)
-            n_kept += tl.sum(rk, axis=0)
-        tl.debug_barrier()  # Idx written by this program's threads, read back below
-        dense = n_kept * 100 > (end - start) * DENSE_PCT
+        dense = tl.max(tl.where(g_mask, thr, float("-inf")), axis=0) == float("-inf")
         if not dense:
-            # Phase B: gather the kept rows, all useful, BLOCK_N per iteration.
-            for j in range(0, n_kept, BLOCK_N):
-                jj = j + offs_n
-                jm = jj < n_kept
-                idx = tl.load(idx_ptr + jj, mask=jm, other=0)
-                s = tl.load(s_base + idx[None, :], mask=g_mask[:, None] & jm[None, :], other=float("-inf"))
-                v_ptrs = v_base + idx[:, None].to(tl.int64) * stride_vs + offs_d[None, :] * stride_vd
-                acc, mass, _ = _accumulate(
-                    acc, mass, s, idx, jm, thr, amax, m, g_mask, v_ptrs, jm[:, None] & d_mask[None, :],
-                    DOT_PREC, DOT_UPCAST, USE_DOT,
-                )
+            # Phase A: positions of the rows that some head of the group keeps, in order.
+            offs_ga = tl.arange(0, BLOCK_GA)
+            ga_mask = offs_ga < G
+            row_a = b.to(tl.int64) * HQ + hkv * G + offs_ga
+            m_a, l_a, thr_a, amax_a = _thresholds(Mst, Lst, Ast, Eta, row_a, ga_mask, NUM_SPLITS1, KEEP_ALL)
+            sa_base = Scores + row_a[:, None] * S_MAX
+            idx_ptr = Idx + bh.to(tl.int64) * S_MAX + start
+            offs_a = tl.arange(0, BLOCK_A)
+            cnt_a = tl.zeros([BLOCK_GA], tl.int32)
+            n_kept = start * 0
+            for n0 in range(start, end, BLOCK_A):
+                offs = n0 + offs_a
+                n_mask = offs < end
+                s = tl.load(sa_base + offs[None, :], mask=ga_mask[:, None] & n_mask[None, :], other=float("-inf"))
+                keep = ((s > thr_a[:, None]) | (offs[None, :] == amax_a[:, None])) & n_mask[None, :] & ga_mask[:, None]
+                cnt_a += tl.sum(keep.to(tl.int32), axis=1)
+                rk = tl.max(keep.to(tl.int32), axis=0)
+                pos = tl.cumsum(rk, axis=0) - rk
+                tl.store(idx_ptr + n_kept + pos, offs, mask=rk > 0)
+                n_kept += tl.sum(rk, axis=0)
+            tl.debug_barrier()  # Idx written by this program's threads, read back below
+            dense = n_kept * 100 > (end - start) * DENSE_PCT
+            if not dense:
+                # Phase B: gather the kept rows, all useful, BLOCK_N per iteration.
+                for j in range(0, n_kept, BLOCK_N):
+                    jj = j + offs_n
+                    jm = jj < n_kept
+                    idx = tl.load(idx_ptr + jj, mask=jm, other=0)
+                    s = tl.load(s_base + idx[None, :], mask=g_mask[:, None] & jm[None, :], other=float("-inf"))
+                    v_ptrs = v_base + idx[:, None].to(tl.int64) * stride_vs + offs_d[None, :] * stride_vd
+                    acc, mass, _ = _accumulate(
+                        acc, mass, s, idx, jm, thr, amax, m, g_mask, v_ptrs, jm[:, None] & d_mask[None, :],
+                        DOT_PREC, DOT_UPCAST, USE_DOT,
+                    )
+                tl.store(Cnt + row_a * NUM_SPLITS2 + split, cnt_a, mask=ga_mask)
     if dense:
         # Streaming: every tile, V loads masked to the rows some head keeps.
+        cnt = tl.zeros([BLOCK_G], tl.int32)
         for n0 in range(start, end, BLOCK_N):
             offs = n0 + offs_n
             n_mask = offs < end
@@ -294,13 +304,11 @@ def _filter_kernel(
                 acc, mass, s, offs, n_mask, thr, amax, m, g_mask, v_ptrs,
                 (row_kept & n_mask)[:, None] & d_mask[None, :], DOT_PREC, DOT_UPCAST, USE_DOT,
             )
-            if not COMPACT:
-                cnt += c
+            cnt += c
+        tl.store(Cnt + pst, cnt, mask=g_mask)
 
     inv_l = 1.0 / l
-    pst = row * NUM_SPLITS2 + split
     tl.store(Part + pst[:, None] * BLOCK_D + offs_d[None, :], acc * inv_l[:, None], mask=g_mask[:, None])
-    tl.store(Cnt + pst, cnt, mask=g_mask)
     tl.store(Mass + pst, mass * inv_l, mask=g_mask)
 
 
@@ -335,41 +343,39 @@ def _combine_kernel(
 
 
 @triton.jit
-def _float_key(x):
-    """Order-preserving map float32 -> int32 (flip the magnitude bits of negatives)."""
-    bits = x.to(tl.int32, bitcast=True)
-    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+def _ukey(x):
+    """Order-preserving map float32 -> uint32: flip all bits of negatives, the sign of positives."""
+    bits = x.to(tl.uint32, bitcast=True)
+    neg = (bits >> 31) == 1
+    return tl.where(neg, ~bits, bits | 0x80000000)
 
 
 @triton.jit
-def _key_float(key):
-    return (key ^ ((key >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+def _ukey_float(key):
+    neg = (key >> 31) == 0
+    return tl.where(neg, ~key, key & 0x7FFFFFFF).to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def _quantile_kernel(
-    Scores, Mst, Lst, Nst, Tau, SeqLens, Theta,
+    Scores, Mst, Lst, Ast, Tau, SeqLens, Theta,
     S_MAX, NUM_SPLITS1,
-    HQ: tl.constexpr, BLOCK_S1: tl.constexpr, BLOCK: tl.constexpr,
-    HAS_SEQ_LENS: tl.constexpr, STAGES: tl.constexpr,
+    HQ: tl.constexpr, BLOCK: tl.constexpr, HAS_SEQ_LENS: tl.constexpr, STAGES: tl.constexpr,
 ):
     """theta = tau-quantile of one row's probabilities, torch.quantile's 'linear' rule.
 
-    Finds the k-th smallest score (k = floor(tau * (n - 1))) exactly as the least
-    integer key t with #(key <= t) >= k + 1, by a 16-way search between the row's
-    min and max keys (each pass counts the row against 16 pivots and shrinks the
-    bracket 16x; 32-bit keys need at most 9 passes), then the next order statistic
-    in one more pass. Probabilities are monotone in scores, so interpolating
-    exp2(s - M) / L at the two order statistics is the quantile of p.
+    Radix select, no sort: the k-th smallest score (k = floor(tau * (n - 1))) is
+    found exactly, 8 bits of its order-preserving 32-bit key per pass (MSB first):
+    each pass histograms the next digit of the keys that share the digits found so
+    far and picks the bucket holding rank k. A fifth pass finds the next order
+    statistic (a tie, or the least larger key). Probabilities are monotone in the
+    scores, so interpolating exp2(s - M) / L at the two order statistics is the
+    quantile of p.
     """
-    NPIV: tl.constexpr = 16
     row = tl.program_id(0).to(tl.int64)
     b = row // HQ
-    one = tl.full([1], 0, tl.int32) == 0  # [1]-shaped row mask for the shared helper
-    rows = tl.full([1], 0, tl.int64) + row
-    m, l, _, _, _ = _row_stats(Mst, Lst, rows, one, NUM_SPLITS1, BLOCK_S1)
-    offs_s = tl.arange(0, BLOCK_S1)
-    mn = tl.min(tl.load(Nst + row * NUM_SPLITS1 + offs_s, mask=offs_s < NUM_SPLITS1, other=float("inf")), axis=0)
+    one = tl.full([1], 0, tl.int32) == 0  # [1]-shaped head mask for the shared helper
+    m, l, _ = _row_stats(Mst, Lst, Ast, tl.full([1], 0, tl.int64) + row, one, NUM_SPLITS1)
     m = tl.sum(m, axis=0)
     l = tl.sum(l, axis=0)
     if HAS_SEQ_LENS:
@@ -380,43 +386,43 @@ def _quantile_kernel(
     pos = tau * (n - 1).to(tl.float64)
     kf = tl.floor(pos)
     frac = (pos - kf).to(tl.float32)
-    k = kf.to(tl.int32)
+    rank = kf.to(tl.int32)  # rank of the wanted key among those matching the prefix
 
     offs = tl.arange(0, BLOCK)
-    piv_j = tl.arange(0, NPIV).to(tl.int64)
+    bins = tl.arange(0, 256)
     s_row = Scores + row * S_MAX
-    lo = _float_key(mn).to(tl.int64)
-    hi = _float_key(m).to(tl.int64)
-    while lo < hi:
-        piv = lo + ((hi - lo) * piv_j) // NPIV  # piv[0] = lo; all < hi
-        piv32 = piv.to(tl.int32)  # keys fit in int32; int32 compares are cheaper
-        # Per-thread partial counts; one cross-thread reduction per pass, not per tile.
-        cnt2 = tl.zeros([NPIV, BLOCK], tl.int32)
+    prefix = (n * 0).to(tl.uint32)
+    for p in tl.static_range(4):
+        shift = 24 - 8 * p  # constexpr: p is a static_range index
+        hist = tl.zeros([256], tl.int32)
         for n0 in tl.range(0, n, BLOCK, num_stages=STAGES):
             idx = n0 + offs
-            key = _float_key(tl.load(s_row + idx, mask=idx < n, other=float("inf")))
-            cnt2 += (key[None, :] <= piv32[:, None]).to(tl.int32)
-        cnt = tl.sum(cnt2, axis=1)
-        ok = cnt >= k + 1
-        hi = tl.minimum(hi, tl.min(tl.where(ok, piv, hi), axis=0))
-        lo = tl.maximum(lo, tl.max(tl.where(ok, lo, piv + 1), axis=0))
+            valid = idx < n
+            u = _ukey(tl.load(s_row + idx, mask=valid, other=0.0))
+            if p > 0:
+                valid = valid & ((u >> (shift + 8)) == (prefix >> (shift + 8)))
+            digit = ((u >> shift) & 0xFF).to(tl.int32)
+            hist += tl.histogram(digit, 256, mask=valid)
+        csum = tl.cumsum(hist, axis=0)
+        d = tl.sum((csum <= rank).to(tl.int32), axis=0)  # first bucket whose cumsum passes rank
+        rank -= tl.max(tl.where(csum <= rank, csum, 0), axis=0)
+        n_in = tl.sum(tl.where(bins == d, hist, 0), axis=0)  # keys in that bucket
+        prefix = prefix | (d.to(tl.uint32) << shift)
 
-    t = lo.to(tl.int32)
-    c_le = tl.zeros([BLOCK], tl.int32)
-    nxt = tl.full([BLOCK], _INT_MAX, tl.int32)
-    for n0 in tl.range(0, n, BLOCK, num_stages=STAGES):
-        idx = n0 + offs
-        valid = idx < n
-        key = _float_key(tl.load(s_row + idx, mask=valid, other=0.0))
-        c_le += (valid & (key <= t)).to(tl.int32)
-        nxt = tl.minimum(nxt, tl.where(valid & (key > t), key, _INT_MAX))
-    c_le_t = tl.sum(c_le, axis=0)
-    nxt_t = tl.min(nxt, axis=0)
-    # (k+1)-th order statistic: a tie with the k-th, the next larger key, or none (k = n-1).
-    t_hi = tl.where((c_le_t >= k + 2) | (nxt_t == _INT_MAX), t, nxt_t)
+    t = prefix
+    t_hi = t
+    if rank + 1 >= n_in:  # the (k+1)-th is not a tie with the k-th: least larger key
+        nxt = tl.full([BLOCK], 0xFFFFFFFF, tl.uint32)
+        for n0 in tl.range(0, n, BLOCK, num_stages=STAGES):
+            idx = n0 + offs
+            valid = idx < n
+            u = _ukey(tl.load(s_row + idx, mask=valid, other=0.0))
+            nxt = tl.minimum(nxt, tl.where(valid & (u > t), u, 0xFFFFFFFF))
+        nxt_t = tl.min(nxt, axis=0)
+        t_hi = tl.where(nxt_t == 0xFFFFFFFF, t, nxt_t)  # none when k = n - 1
     inv_l = 1.0 / l
-    p_lo = tl.math.exp2(_key_float(t) - m) * inv_l
-    p_hi = tl.math.exp2(_key_float(t_hi) - m) * inv_l
+    p_lo = tl.math.exp2(_ukey_float(t) - m) * inv_l
+    p_hi = tl.math.exp2(_ukey_float(t_hi) - m) * inv_l
     tl.store(Theta + row, p_lo + frac * (p_hi - p_lo))
 
 
@@ -431,6 +437,7 @@ def _meta(q: torch.Tensor, k_cache: torch.Tensor, cfg: KernelConfig) -> dict:
     return dict(
         B=B, Hq=Hq, Hkv=Hkv, S=S, D=D, G=G, use_dot=use_dot,
         BLOCK_G=max(16, triton.next_power_of_2(G)) if use_dot else triton.next_power_of_2(G),
+        BLOCK_GA=triton.next_power_of_2(G),
         BLOCK_D=max(16, triton.next_power_of_2(D)),
         prec="ieee" if q.dtype == torch.float32 else "tf32",
         upcast=q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET", "0") == "1",
@@ -438,7 +445,7 @@ def _meta(q: torch.Tensor, k_cache: torch.Tensor, cfg: KernelConfig) -> dict:
     )
 
 
-def scores_pass(q, k_cache, scale, seq_lens, cfg: KernelConfig, track_min: bool) -> dict:
+def scores_pass(q, k_cache, scale, seq_lens, cfg: KernelConfig) -> dict:
     """Pass 1: float32 log2-domain scores [B, Hq, S] and per-split softmax statistics."""
     mt = _meta(q, k_cache, cfg)
     B, Hq, Hkv, S = mt["B"], mt["Hq"], mt["Hkv"], mt["S"]
@@ -451,16 +458,14 @@ def scores_pass(q, k_cache, scale, seq_lens, cfg: KernelConfig, track_min: bool)
         lst=torch.empty(B, Hq, ns1, device=dev, dtype=torch.float32),
         ast=torch.empty(B, Hq, ns1, device=dev, dtype=torch.int32),
     )
-    st["nst"] = torch.empty_like(st["mst"]) if track_min else st["mst"]
     has_sl = seq_lens is not None
     _scores_kernel[(ns1, B * Hkv)](
-        q, k_cache, st["scores"], st["mst"], st["lst"], st["ast"], st["nst"], seq_lens if has_sl else q,
+        q, k_cache, st["scores"], st["mst"], st["lst"], st["ast"], seq_lens if has_sl else q,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
         scale * LOG2E, S, split1, ns1,
         HQ=Hq, HKV=Hkv, G=mt["G"], BLOCK_G=mt["BLOCK_G"], D=mt["D"], BLOCK_D=mt["BLOCK_D"],
         BLOCK_N=cfg.block_n1, HAS_SEQ_LENS=has_sl, USE_DOT=mt["use_dot"], DOT_PREC=mt["prec"], DOT_UPCAST=mt["upcast"],
-        TRACK_MIN=track_min,
         num_warps=cfg.warps1, num_stages=cfg.stages1,
     )
     return st
@@ -472,9 +477,9 @@ def quantile_pass(st: dict, tau: torch.Tensor, seq_lens, cfg: KernelConfig) -> t
     theta = torch.empty(mt["B"], mt["Hq"], device=tau.device, dtype=torch.float32)
     has_sl = seq_lens is not None
     _quantile_kernel[(mt["B"] * mt["Hq"],)](
-        st["scores"], st["mst"], st["lst"], st["nst"], tau, seq_lens if has_sl else tau, theta,
+        st["scores"], st["mst"], st["lst"], st["ast"], tau, seq_lens if has_sl else tau, theta,
         mt["S"], st["ns1"],
-        HQ=mt["Hq"], BLOCK_S1=triton.next_power_of_2(st["ns1"]), BLOCK=cfg.quantile_block,
+        HQ=mt["Hq"], BLOCK=cfg.quantile_block,
         HAS_SEQ_LENS=has_sl, STAGES=cfg.quantile_stages, num_warps=cfg.quantile_warps,
     )
     return theta
@@ -504,8 +509,8 @@ def filter_pass(st: dict, v_cache, eta, seq_lens, cfg: KernelConfig) -> dict:
         seq_lens if has_sl else st["mst"], pt["idx"], pt["part"], pt["cnt"], pt["mass"],
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
         S, split2, st["ns1"], ns2,
-        HQ=Hq, HKV=Hkv, G=mt["G"], BLOCK_G=mt["BLOCK_G"], D=mt["D"], BLOCK_D=mt["BLOCK_D"],
-        BLOCK_N=cfg.block_n2, BLOCK_A=cfg.block_a, BLOCK_S1=triton.next_power_of_2(st["ns1"]), HAS_SEQ_LENS=has_sl,
+        HQ=Hq, HKV=Hkv, G=mt["G"], BLOCK_G=mt["BLOCK_G"], BLOCK_GA=mt["BLOCK_GA"], D=mt["D"], BLOCK_D=mt["BLOCK_D"],
+        BLOCK_N=cfg.block_n2, BLOCK_A=cfg.block_a, HAS_SEQ_LENS=has_sl,
         USE_DOT=mt["use_dot"], DOT_PREC=mt["prec"], DOT_UPCAST=mt["upcast"], KEEP_ALL=eta is None,
         COMPACT=compact, DENSE_PCT=cfg.dense_pct,
         num_warps=cfg.warps2, num_stages=cfg.stages2,
@@ -540,7 +545,7 @@ def sift_decode_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Inputs already validated by :func:`siftattention.kernels.sift_decode`."""
     cfg = cfg or KernelConfig()
-    st = scores_pass(q, k_cache, scale, seq_lens, cfg, track_min=False)
+    st = scores_pass(q, k_cache, scale, seq_lens, cfg)
     pt = filter_pass(st, v_cache, eta, seq_lens, cfg)
     return combine_pass(st, pt, q.dtype, renormalize, want_kept=True)
 
@@ -556,7 +561,7 @@ def sift_warmup_decode_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact output plus theta; ``tau`` is a float64 [B, Hq] tensor."""
     cfg = cfg or KernelConfig()
-    st = scores_pass(q, k_cache, scale, seq_lens, cfg, track_min=True)
+    st = scores_pass(q, k_cache, scale, seq_lens, cfg)
     theta = quantile_pass(st, tau, seq_lens, cfg)
     pt = filter_pass(st, v_cache, None, seq_lens, cfg)
     out, _ = combine_pass(st, pt, q.dtype, False, want_kept=False)
