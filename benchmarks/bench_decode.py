@@ -222,8 +222,7 @@ def run_tune(args):
         etas = {sp: [thresholds(q, k, [sp])[0][0] for (q, k, v) in sets] for sp in (0.0, 0.875, 0.95)}
         scale = D**-0.5
         base = td.KernelConfig()
-        g1 = [{}, dict(stages1=2), dict(block_n1=256, warps1=8, stages1=2), dict(block_n1=64, stages1=4)]
-        g1 += [dict(programs1=p) for p in (8, 16, 64)]
+        g1 = [{}, dict(programs1=32), dict(programs1=128), dict(min_split1=512), dict(min_split1=2048), dict(block_n1=256, warps1=8, stages1=2)]
         for kw in g1:
             cfg = td.KernelConfig(**{**base.__dict__, **kw})
             try:
@@ -235,10 +234,8 @@ def run_tune(args):
             results.append(dict(shape=[B, Hq, Hkv, S], pass_=1, cfg=kw, ms=t, k_tbps=gbs / 1e3))
             print(f"pass1 {B},{Hq},{Hkv},{S} {kw} {t:.4f} ms  K at {gbs/1e3:.2f} TB/s", flush=True)
         sts = [td.scores_pass(q, k, scale, None, base) for (q, k, v) in sets]
-        g2 = [{}] + [dict(block_n2=bn, stages2=st) for bn in (32, 64) for st in (2, 3, 4) if (bn, st) != (32, 3)]
-        g2 += [dict(block_a=ba) for ba in (512, 2048, 4096)] + [dict(dense_pct=60)]
-        g2 += [dict(programs2=p) for p in (4, 16, 32)]
-        g2 += [dict(compact=False, block_n2=bn) for bn in (32, 64)]
+        g2 = [{}, dict(warps2=2), dict(block_n2=64, warps2=8), dict(block_n2=16), dict(block_n2=16, stages2=4), dict(stages2=4)]
+        g2 += [dict(block_a=ba) for ba in (512, 2048)] + [dict(programs2=p) for p in (4, 16, 32)] + [dict(min_split2=4096)]
         for sp in (0.0, 0.875, 0.95):
             for kw in g2:
                 cfg = td.KernelConfig(**{**base.__dict__, **kw})

@@ -44,11 +44,13 @@ class KernelConfig:
     block_n1: int = 128  # keys per iteration in the scores pass
     warps1: int = 4
     stages1: int = 3
-    programs1: int = 32  # target programs per SM for the scores pass (sets the split)
+    programs1: int = 64  # target programs per SM for the scores pass (sets the split)
+    min_split1: int = 1024  # fewest keys per split
     block_n2: int = 32  # V rows per iteration in the filter pass
     warps2: int = 4
     stages2: int = 3
     programs2: int = 8
+    min_split2: int = 1024
     # Tensor-core dot for QK and PV (heads padded to 16). Triton pipelines the loads
     # that feed a dot through shared memory (cp.async), so this is the default even
     # for MHA; the elementwise path loads to registers without prefetch.
@@ -56,9 +58,9 @@ class KernelConfig:
     compact: bool = True  # filter pass: gather compacted kept rows (see _filter_kernel)
     block_a: int = 1024  # keys per iteration of the compaction scan
     dense_pct: int = 101  # stream instead of gather when more than this % of rows is kept
-    quantile_block: int = 512
+    quantile_block: int = 4096
     quantile_warps: int = 8
-    quantile_stages: int = 3
+    quantile_stages: int = 2
 
 
 _SM_COUNT: dict[int, int] = {}
@@ -73,10 +75,10 @@ def _num_sms(device: torch.device) -> int:
     return _SM_COUNT[idx]
 
 
-def _split(s_max: int, rows: int, block_n: int, programs_per_sm: int, sms: int) -> tuple[int, int]:
-    """(split length, number of splits): enough programs to fill the chip."""
+def _split(s_max: int, rows: int, block_n: int, programs_per_sm: int, sms: int, min_len: int) -> tuple[int, int]:
+    """(split length, number of splits): enough programs to fill the chip, none tiny."""
     n_blocks = triton.cdiv(s_max, block_n)
-    want = max(1, triton.cdiv(programs_per_sm * sms, rows))
+    want = max(1, min(triton.cdiv(programs_per_sm * sms, rows), triton.cdiv(s_max, min_len)))
     splits = min(want, n_blocks)
     split_len = triton.cdiv(n_blocks, splits) * block_n
     return split_len, triton.cdiv(s_max, split_len)
@@ -160,32 +162,29 @@ def _scores_kernel(
 
 
 @triton.jit
-def _row_stats(Mst, Lst, Ast, row, g_mask, NUM_SPLITS):
-    """Merge per-split (max, sum, argmax) into the row max M, normaliser L, argmax.
+def _row_stats(Mst, Lst, Ast, row, g_mask, NUM_SPLITS, BLOCK_S: tl.constexpr):
+    """Merge per-split (max, sum, first argmax) into the row max M, normaliser L, argmax.
 
-    A sequential loop over the splits, elementwise per head: the result does not
-    depend on the head tile's shape or layout, so two tiles of one program (the
-    compaction scan and the gather) make bit-identical keep decisions.
+    One [heads, splits] tile load (a loop over the splits would serialise their
+    load latencies in every program's preamble).
     """
-    m = tl.full(row.shape, float("-inf"), tl.float32)
-    for j in range(NUM_SPLITS):
-        m = tl.maximum(m, tl.load(Mst + row * NUM_SPLITS + j, mask=g_mask, other=float("-inf")))
+    offs_s = tl.arange(0, BLOCK_S)
+    ptr = row[:, None] * NUM_SPLITS + offs_s[None, :]
+    msk = g_mask[:, None] & (offs_s[None, :] < NUM_SPLITS)
+    mst = tl.load(Mst + ptr, mask=msk, other=float("-inf"))
+    lst = tl.load(Lst + ptr, mask=msk, other=0.0)
+    ast = tl.load(Ast + ptr, mask=msk, other=_INT_MAX)
+    m = tl.max(mst, axis=1)
     m = tl.where(g_mask, m, 0.0)  # padded heads: keep arithmetic finite
-    l = tl.zeros(row.shape, tl.float32)
-    amax = tl.full(row.shape, _INT_MAX, tl.int32)
-    for j in range(NUM_SPLITS):
-        mj = tl.load(Mst + row * NUM_SPLITS + j, mask=g_mask, other=float("-inf"))
-        lj = tl.load(Lst + row * NUM_SPLITS + j, mask=g_mask, other=0.0)
-        l += lj * tl.math.exp2(mj - m)
-        aj = tl.load(Ast + row * NUM_SPLITS + j, mask=g_mask, other=_INT_MAX)
-        amax = tl.where((mj == m) & (aj < amax), aj, amax)  # first argmax overall
+    l = tl.sum(tl.where(msk, lst * tl.math.exp2(mst - m[:, None]), 0.0), axis=1)
+    amax = tl.min(tl.where(mst == m[:, None], ast, _INT_MAX), axis=1)  # splits are in order
     return m, tl.where(g_mask, l, 1.0), amax
 
 
 @triton.jit
-def _thresholds(Mst, Lst, Ast, Eta, row, g_mask, NUM_SPLITS1, KEEP_ALL: tl.constexpr):
+def _thresholds(Mst, Lst, Ast, Eta, row, g_mask, NUM_SPLITS1, BLOCK_S1: tl.constexpr, KEEP_ALL: tl.constexpr):
     """Row max M, normaliser L, log2-domain threshold and argmax per head of the tile."""
-    m, l, amax = _row_stats(Mst, Lst, Ast, row, g_mask, NUM_SPLITS1)
+    m, l, amax = _row_stats(Mst, Lst, Ast, row, g_mask, NUM_SPLITS1, BLOCK_S1)
     if KEEP_ALL:
         thr = tl.full(m.shape, float("-inf"), tl.float32)
     else:
@@ -193,6 +192,13 @@ def _thresholds(Mst, Lst, Ast, Eta, row, g_mask, NUM_SPLITS1, KEEP_ALL: tl.const
         # p > eta  <=>  s2 > M + log2(eta) + log2(L)   (eta <= 0 gives -inf: keep all)
         thr = m + tl.math.log2(eta) + tl.math.log2(l)
     return m, l, thr, amax
+
+
+@triton.jit
+def _narrow(x, offs_from, offs_to):
+    """Re-lay a per-head vector onto another head tile, bit-exactly (one term per sum)."""
+    sel = offs_to[:, None] == offs_from[None, :]
+    return tl.sum(tl.where(sel, x[None, :], tl.zeros_like(x)[None, :]), axis=1)
 
 
 @triton.jit
@@ -215,6 +221,7 @@ def _filter_kernel(
     S_MAX, SPLIT_LEN, NUM_SPLITS1, NUM_SPLITS2,
     HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_GA: tl.constexpr,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_A: tl.constexpr,
+    BLOCK_S1: tl.constexpr,
     HAS_SEQ_LENS: tl.constexpr, USE_DOT: tl.constexpr, DOT_PREC: tl.constexpr, DOT_UPCAST: tl.constexpr,
     KEEP_ALL: tl.constexpr, COMPACT: tl.constexpr, DENSE_PCT: tl.constexpr,
 ):
@@ -239,7 +246,7 @@ def _filter_kernel(
     d_mask = offs_d < D
     row = b.to(tl.int64) * HQ + hkv * G + offs_g
 
-    m, l, thr, amax = _thresholds(Mst, Lst, Ast, Eta, row, g_mask, NUM_SPLITS1, KEEP_ALL)
+    m, l, thr, amax = _thresholds(Mst, Lst, Ast, Eta, row, g_mask, NUM_SPLITS1, BLOCK_S1, KEEP_ALL)
     if HAS_SEQ_LENS:
         seq_len = tl.minimum(tl.load(SeqLens + b), S_MAX)
     else:
@@ -260,7 +267,9 @@ def _filter_kernel(
             offs_ga = tl.arange(0, BLOCK_GA)
             ga_mask = offs_ga < G
             row_a = b.to(tl.int64) * HQ + hkv * G + offs_ga
-            m_a, l_a, thr_a, amax_a = _thresholds(Mst, Lst, Ast, Eta, row_a, ga_mask, NUM_SPLITS1, KEEP_ALL)
+            # The scan's head tile has G rows (the dot's has >= 16): same decisions, exactly.
+            thr_a = _narrow(thr, offs_g, offs_ga)
+            amax_a = _narrow(amax, offs_g, offs_ga)
             sa_base = Scores + row_a[:, None] * S_MAX
             idx_ptr = Idx + bh.to(tl.int64) * S_MAX + start
             offs_a = tl.arange(0, BLOCK_A)
@@ -360,7 +369,8 @@ def _ukey_float(key):
 def _quantile_kernel(
     Scores, Mst, Lst, Ast, Tau, SeqLens, Theta,
     S_MAX, NUM_SPLITS1,
-    HQ: tl.constexpr, BLOCK: tl.constexpr, HAS_SEQ_LENS: tl.constexpr, STAGES: tl.constexpr,
+    HQ: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S1: tl.constexpr, HAS_SEQ_LENS: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     """theta = tau-quantile of one row's probabilities, torch.quantile's 'linear' rule.
 
@@ -375,7 +385,7 @@ def _quantile_kernel(
     row = tl.program_id(0).to(tl.int64)
     b = row // HQ
     one = tl.full([1], 0, tl.int32) == 0  # [1]-shaped head mask for the shared helper
-    m, l, _ = _row_stats(Mst, Lst, Ast, tl.full([1], 0, tl.int64) + row, one, NUM_SPLITS1)
+    m, l, _ = _row_stats(Mst, Lst, Ast, tl.full([1], 0, tl.int64) + row, one, NUM_SPLITS1, BLOCK_S1)
     m = tl.sum(m, axis=0)
     l = tl.sum(l, axis=0)
     if HAS_SEQ_LENS:
@@ -450,7 +460,7 @@ def scores_pass(q, k_cache, scale, seq_lens, cfg: KernelConfig) -> dict:
     mt = _meta(q, k_cache, cfg)
     B, Hq, Hkv, S = mt["B"], mt["Hq"], mt["Hkv"], mt["S"]
     dev = q.device
-    split1, ns1 = _split(S, B * Hkv, cfg.block_n1, cfg.programs1, mt["sms"])
+    split1, ns1 = _split(S, B * Hkv, cfg.block_n1, cfg.programs1, mt["sms"], cfg.min_split1)
     st = dict(
         meta=mt, ns1=ns1,
         scores=torch.empty(B, Hq, S, device=dev, dtype=torch.float32),
@@ -479,7 +489,7 @@ def quantile_pass(st: dict, tau: torch.Tensor, seq_lens, cfg: KernelConfig) -> t
     _quantile_kernel[(mt["B"] * mt["Hq"],)](
         st["scores"], st["mst"], st["lst"], st["ast"], tau, seq_lens if has_sl else tau, theta,
         mt["S"], st["ns1"],
-        HQ=mt["Hq"], BLOCK=cfg.quantile_block,
+        HQ=mt["Hq"], BLOCK=cfg.quantile_block, BLOCK_S1=triton.next_power_of_2(st["ns1"]),
         HAS_SEQ_LENS=has_sl, STAGES=cfg.quantile_stages, num_warps=cfg.quantile_warps,
     )
     return theta
@@ -494,7 +504,7 @@ def filter_pass(st: dict, v_cache, eta, seq_lens, cfg: KernelConfig) -> dict:
     mt = st["meta"]
     B, Hq, Hkv, S = mt["B"], mt["Hq"], mt["Hkv"], mt["S"]
     dev = v_cache.device
-    split2, ns2 = _split(S, B * Hkv, cfg.block_n2, cfg.programs2, mt["sms"])
+    split2, ns2 = _split(S, B * Hkv, cfg.block_n2, cfg.programs2, mt["sms"], cfg.min_split2)
     compact = cfg.compact and eta is not None
     pt = dict(
         ns2=ns2,
@@ -510,7 +520,7 @@ def filter_pass(st: dict, v_cache, eta, seq_lens, cfg: KernelConfig) -> dict:
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
         S, split2, st["ns1"], ns2,
         HQ=Hq, HKV=Hkv, G=mt["G"], BLOCK_G=mt["BLOCK_G"], BLOCK_GA=mt["BLOCK_GA"], D=mt["D"], BLOCK_D=mt["BLOCK_D"],
-        BLOCK_N=cfg.block_n2, BLOCK_A=cfg.block_a, HAS_SEQ_LENS=has_sl,
+        BLOCK_N=cfg.block_n2, BLOCK_A=cfg.block_a, BLOCK_S1=triton.next_power_of_2(st["ns1"]), HAS_SEQ_LENS=has_sl,
         USE_DOT=mt["use_dot"], DOT_PREC=mt["prec"], DOT_UPCAST=mt["upcast"], KEEP_ALL=eta is None,
         COMPACT=compact, DENSE_PCT=cfg.dense_pct,
         num_warps=cfg.warps2, num_stages=cfg.stages2,
