@@ -11,7 +11,8 @@ from rich.console import Console
 
 from .methods import SPEC_HELP, SpecError, parse_method
 
-console = Console()
+# Piped output (CI logs, `make demo | tee`) gets room for the full method specs in tables.
+console = Console(width=None if sys.stdout.isatty() else 132)
 err_console = Console(stderr=True)
 
 DEMO_METHODS = [

@@ -50,7 +50,7 @@ PPL_COLUMNS = [
 def results_table(rows: Sequence[dict], columns: Sequence[tuple[str, str]] = PPL_COLUMNS, title: str | None = None) -> Table:
     table = Table(title=title)
     for key, header in columns:
-        table.add_column(header, justify="left" if key == "method" else "right")
+        table.add_column(header, justify="left" if key == "method" else "right", no_wrap=key == "method")
     for row in rows:
         table.add_row(*(_fmt(row[key]) for key, _ in columns))
     return table
