@@ -150,6 +150,23 @@ def bench(fn, sets, warmup=25, rep=100):
     return triton.testing.do_bench(lambda: fn(*sets[next(it)]), warmup=warmup, rep=rep, return_mode="median")
 
 
+def bench_graph(fn, sets):
+    """Median time of CUDA-graph replays of fn (one graph per input set): no launch overhead."""
+    graphs = []
+    for args in sets:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn(*args)
+            fn(*args)
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn(*args)
+        graphs.append(g)
+    return bench(lambda g: g.replay(), [(g,) for g in graphs])
+
+
 def bytes_dense(B, Hkv, S, D, esize):
     return 2 * B * Hkv * S * D * esize
 
@@ -222,7 +239,7 @@ def run_tune(args):
         etas = {sp: [thresholds(q, k, [sp])[0][0] for (q, k, v) in sets] for sp in (0.0, 0.875, 0.95)}
         scale = D**-0.5
         base = td.KernelConfig()
-        g1 = [{}, dict(programs1=32), dict(programs1=128), dict(min_split1=512), dict(min_split1=2048), dict(block_n1=256, warps1=8, stages1=2)]
+        g1 = [{}]
         for kw in g1:
             cfg = td.KernelConfig(**{**base.__dict__, **kw})
             try:
@@ -234,14 +251,13 @@ def run_tune(args):
             results.append(dict(shape=[B, Hq, Hkv, S], pass_=1, cfg=kw, ms=t, k_tbps=gbs / 1e3))
             print(f"pass1 {B},{Hq},{Hkv},{S} {kw} {t:.4f} ms  K at {gbs/1e3:.2f} TB/s", flush=True)
         sts = [td.scores_pass(q, k, scale, None, base) for (q, k, v) in sets]
-        g2 = [{}, dict(warps2=2), dict(block_n2=64, warps2=8), dict(block_n2=16), dict(block_n2=16, stages2=4), dict(stages2=4)]
-        g2 += [dict(block_a=ba) for ba in (512, 2048)] + [dict(programs2=p) for p in (4, 16, 32)] + [dict(min_split2=4096)]
+        g2 = [{}, dict(fused_combine=False), dict(min_split2=2048), dict(min_split2=8192), dict(programs2=4), dict(programs2=16)]
         for sp in (0.0, 0.875, 0.95):
             for kw in g2:
                 cfg = td.KernelConfig(**{**base.__dict__, **kw})
                 args2 = [(sts[i], sets[i][2], etas[sp][i]) for i in range(len(sets))]
                 try:
-                    t = bench(lambda st, v, e: td.filter_pass(st, v, e, None, cfg), args2)
+                    t = bench(lambda st, v, e: td.filter_pass(st, v, e, None, cfg, torch.float16, False, True), args2)
                 except Exception as e:  # noqa: BLE001
                     t = float("nan")
                     print("fail", kw, repr(e)[:200])
@@ -280,6 +296,7 @@ def run_sweep(args):
         sets = [make_inputs(B, Hq, Hkv, S, D, dt, args.logit_std, args.group_corr, gen) for _ in range(args.sets)]
         dense = bytes_dense(B, Hkv, S, D, 2)
         t_sdpa = bench(sdpa_decode, sets)
+        t_sdpa_g = bench_graph(sdpa_decode, sets) if args.graph else float("nan")
         # warmup step: exact output and theta, checked on set 0
         q, k, v = sets[0]
         out, th = sift_warmup_decode(q, k, v, 0.875, backend="triton")
@@ -306,7 +323,10 @@ def run_sweep(args):
                 if i == 0:
                     err = max(rel_err(out[b], ref_out64(q, k, v, etas[0], b)) for b in range(B))
                     assert err < 1e-2, err
-            t_sift = bench(lambda q, k, v, e: sift_decode(q, k, v, e, backend="triton"), [s + (e,) for s, e in zip(sets, etas)])
+            sift_fn = lambda q, k, v, e: sift_decode(q, k, v, e, backend="triton")  # noqa: E731
+            sift_sets = [s + (e,) for s, e in zip(sets, etas)]
+            t_sift = bench(sift_fn, sift_sets)
+            t_sift_g = bench_graph(sift_fn, sift_sets) if args.graph else float("nan")
             kk = max(1, round((1 - sp) * S))
             t_topk = bench(lambda q, k, v: topk_decode(q, k, v, kk), sets)
             floor_bytes = dense / 2 * (1 + union) + B * Hq * S * 8
@@ -314,6 +334,7 @@ def run_sweep(args):
                 B=B, Hq=Hq, Hkv=Hkv, S=S, D=D, dtype=dtn, sparsity=sp, realized=sum(realized) / len(realized),
                 v_rows_read=union, sdpa_ms=t_sdpa, sift_ms=t_sift, topk_ms=t_topk, warmup_ms=t_warm,
                 sift_vs_sdpa=t_sift / t_sdpa, topk_over_sift=t_topk / t_sift, warmup_vs_sdpa=t_warm / t_sdpa,
+                sdpa_graph_ms=t_sdpa_g, sift_graph_ms=t_sift_g, sift_vs_sdpa_graph=t_sift_g / t_sdpa_g,
                 sdpa_tbps=dense / t_sdpa / 1e9, sift_tbps_of_count=floor_bytes / t_sift / 1e9,
                 byte_floor_vs_dense=floor_bytes / dense, out_rel_err=err, warmup_out_err=w_err, theta_rel_err=th_err,
             )
@@ -321,7 +342,7 @@ def run_sweep(args):
             print(
                 f"B={B:2d} H={Hq}/{Hkv} S={S:5d} {dtn} s={row['realized']:.3f} vrows={union:.3f} sdpa={t_sdpa:.4f} "
                 f"sift={t_sift:.4f} ({row['sift_vs_sdpa']:.2f}x) topk={t_topk:.4f} ({row['topk_over_sift']:.1f}x slower) "
-                f"warm={t_warm:.4f} ({row['warmup_vs_sdpa']:.2f}x) err={err:.1e}",
+                f"warm={t_warm:.4f} ({row['warmup_vs_sdpa']:.2f}x) graphs: sdpa={t_sdpa_g:.4f} sift={t_sift_g:.4f} err={err:.1e}",
                 flush=True,
             )
         del sets
@@ -331,13 +352,13 @@ def run_sweep(args):
 
 
 def print_table(rows):
-    print("\n| B | Hq/Hkv | S | dtype | sparsity | V rows read | SDPA ms | sift ms | sift/SDPA | top-k ms | top-k/sift | warmup ms | warmup/SDPA |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| B | Hq/Hkv | S | dtype | sparsity | V rows read | SDPA ms | sift ms | sift/SDPA | top-k ms | top-k/sift | warmup ms | warmup/SDPA | graphs: sift/SDPA |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
             f"| {r['B']} | {r['Hq']}/{r['Hkv']} | {r['S']} | {r['dtype']} | {r['realized']:.3f} | {r['v_rows_read']:.3f} | "
             f"{r['sdpa_ms']:.3f} | {r['sift_ms']:.3f} | {r['sift_vs_sdpa']:.2f} | {r['topk_ms']:.3f} | {r['topk_over_sift']:.1f} | "
-            f"{r['warmup_ms']:.3f} | {r['warmup_vs_sdpa']:.2f} |"
+            f"{r['warmup_ms']:.3f} | {r['warmup_vs_sdpa']:.2f} | {r['sift_vs_sdpa_graph']:.2f} |"
         )
 
 
@@ -404,6 +425,7 @@ def main():
     ap.add_argument("--sets", type=int, default=3, help="rotating input sets")
     ap.add_argument("--logit-std", type=float, default=3.0)
     ap.add_argument("--group-corr", type=float, default=0.0, help="correlation of q across a GQA group")
+    ap.add_argument("--graph", action="store_true", help="also time SDPA and sift as CUDA-graph replays")
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--tune", action="store_true")
     ap.add_argument("--ncu", action="store_true")

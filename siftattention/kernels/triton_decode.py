@@ -50,7 +50,7 @@ class KernelConfig:
     warps2: int = 4
     stages2: int = 3
     programs2: int = 8
-    min_split2: int = 1024
+    min_split2: int = 4096
     # Tensor-core dot for QK and PV (heads padded to 16). Triton pipelines the loads
     # that feed a dot through shared memory (cp.async), so this is the default even
     # for MHA; the elementwise path loads to registers without prefetch.
@@ -58,6 +58,7 @@ class KernelConfig:
     compact: bool = True  # filter pass: gather compacted kept rows (see _filter_kernel)
     block_a: int = 1024  # keys per iteration of the compaction scan
     dense_pct: int = 101  # stream instead of gather when more than this % of rows is kept
+    fused_combine: bool = True  # last split program reduces (no separate combine launch)
     quantile_block: int = 4096
     quantile_warps: int = 8
     quantile_stages: int = 2
@@ -216,14 +217,15 @@ def _accumulate(acc, mass, s, idx, jm, thr, amax, m, g_mask, v_ptrs, vmask, DOT_
 
 @triton.jit
 def _filter_kernel(
-    V, Scores, Mst, Lst, Ast, Eta, SeqLens, Idx, Part, Cnt, Mass,
-    stride_vb, stride_vh, stride_vs, stride_vd,
+    V, Scores, Mst, Lst, Ast, Eta, SeqLens, Idx, Part, Cnt, Mass, Sem, Out, Kept,
+    stride_vb, stride_vh, stride_vs, stride_vd, stride_ob, stride_oh, stride_od,
     S_MAX, SPLIT_LEN, NUM_SPLITS1, NUM_SPLITS2,
     HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_GA: tl.constexpr,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_A: tl.constexpr,
     BLOCK_S1: tl.constexpr,
     HAS_SEQ_LENS: tl.constexpr, USE_DOT: tl.constexpr, DOT_PREC: tl.constexpr, DOT_UPCAST: tl.constexpr,
     KEEP_ALL: tl.constexpr, COMPACT: tl.constexpr, DENSE_PCT: tl.constexpr,
+    FUSED_COMBINE: tl.constexpr, RENORMALIZE: tl.constexpr, WRITE_KEPT: tl.constexpr,
 ):
     """Pass 2 over one split of one (batch, KV head).
 
@@ -234,6 +236,10 @@ def _filter_kernel(
     tile of G rows, not the 16 the dot needs), then gathers only those V rows,
     BLOCK_N useful rows per iteration. Rows where every eta <= 0 (nothing to filter)
     and splits kept above DENSE_PCT percent stream.
+
+    With FUSED_COMBINE the last split program of each (batch, KV head) to finish
+    (a counter in ``Sem``) sums the split partials and writes the output, which
+    saves the separate combine launch.
     """
     split = tl.program_id(0)
     bh = tl.program_id(1)
@@ -319,6 +325,28 @@ def _filter_kernel(
     inv_l = 1.0 / l
     tl.store(Part + pst[:, None] * BLOCK_D + offs_d[None, :], acc * inv_l[:, None], mask=g_mask[:, None])
     tl.store(Mass + pst, mass * inv_l, mask=g_mask)
+    if FUSED_COMBINE:
+        tl.debug_barrier()  # every thread's partial stores precede the release below
+        done = tl.atomic_add(Sem + bh, 1, sem="acq_rel", scope="gpu")
+        if done == NUM_SPLITS2 - 1:
+            tot = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+            tot_mass = tl.zeros([BLOCK_G], tl.float32)
+            kept = tl.zeros([BLOCK_G], tl.int32)
+            for j in range(NUM_SPLITS2):
+                pj = row * NUM_SPLITS2 + j
+                tot += tl.load(Part + pj[:, None] * BLOCK_D + offs_d[None, :], mask=g_mask[:, None], other=0.0,
+                               cache_modifier=".cg")
+                tot_mass += tl.load(Mass + pj, mask=g_mask, other=0.0, cache_modifier=".cg")
+                kept += tl.load(Cnt + pj, mask=g_mask, other=0, cache_modifier=".cg")
+            if RENORMALIZE:
+                tot = tot / tot_mass[:, None]
+            h = hkv * G + offs_g
+            tl.store(
+                Out + b.to(tl.int64) * stride_ob + h[:, None] * stride_oh + offs_d[None, :] * stride_od,
+                tot.to(Out.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :],
+            )
+            if WRITE_KEPT:
+                tl.store(Kept + row, kept, mask=g_mask)
 
 
 @triton.jit
@@ -499,30 +527,40 @@ def pt_dummy(st: dict) -> torch.Tensor:
     return st["ast"]  # placeholder pointer for an unused int32 buffer
 
 
-def filter_pass(st: dict, v_cache, eta, seq_lens, cfg: KernelConfig) -> dict:
-    """Pass 2: threshold, masked V loads, split partials (already divided by L)."""
+def filter_pass(
+    st: dict, v_cache, eta, seq_lens, cfg: KernelConfig, out_dtype: torch.dtype, renormalize: bool, want_kept: bool
+) -> dict:
+    """Pass 2: threshold, compaction, V gather; with cfg.fused_combine also the output."""
     mt = st["meta"]
-    B, Hq, Hkv, S = mt["B"], mt["Hq"], mt["Hkv"], mt["S"]
+    B, Hq, Hkv, S, D = mt["B"], mt["Hq"], mt["Hkv"], mt["S"], mt["D"]
     dev = v_cache.device
     split2, ns2 = _split(S, B * Hkv, cfg.block_n2, cfg.programs2, mt["sms"], cfg.min_split2)
     compact = cfg.compact and eta is not None
+    fused = cfg.fused_combine
     pt = dict(
         ns2=ns2,
-        idx=torch.empty(B * Hkv, S, device=dev, dtype=torch.int32) if compact else pt_dummy(st),
+        idx=torch.empty(B * Hkv, S, device=dev, dtype=torch.int32) if compact else st["ast"],
         part=torch.empty(B, Hq, ns2, mt["BLOCK_D"], device=dev, dtype=torch.float32),
         cnt=torch.empty(B, Hq, ns2, device=dev, dtype=torch.int32),
         mass=torch.empty(B, Hq, ns2, device=dev, dtype=torch.float32),
+        sem=torch.zeros(B * Hkv, device=dev, dtype=torch.int32) if fused else st["ast"],
+        out=torch.empty(B, Hq, D, device=dev, dtype=out_dtype) if fused else None,
+        kept=torch.empty(B, Hq, device=dev, dtype=torch.int32) if fused and want_kept else None,
     )
+    out = pt["out"] if fused else pt["part"]
     has_sl = seq_lens is not None
     _filter_kernel[(ns2, B * Hkv)](
         v_cache, st["scores"], st["mst"], st["lst"], st["ast"], eta if eta is not None else st["mst"],
-        seq_lens if has_sl else st["mst"], pt["idx"], pt["part"], pt["cnt"], pt["mass"],
+        seq_lens if has_sl else st["mst"], pt["idx"], pt["part"], pt["cnt"], pt["mass"], pt["sem"],
+        out, pt["kept"] if pt["kept"] is not None else pt["cnt"],
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
+        out.stride(0), out.stride(1), out.stride(2),
         S, split2, st["ns1"], ns2,
-        HQ=Hq, HKV=Hkv, G=mt["G"], BLOCK_G=mt["BLOCK_G"], BLOCK_GA=mt["BLOCK_GA"], D=mt["D"], BLOCK_D=mt["BLOCK_D"],
+        HQ=Hq, HKV=Hkv, G=mt["G"], BLOCK_G=mt["BLOCK_G"], BLOCK_GA=mt["BLOCK_GA"], D=D, BLOCK_D=mt["BLOCK_D"],
         BLOCK_N=cfg.block_n2, BLOCK_A=cfg.block_a, BLOCK_S1=triton.next_power_of_2(st["ns1"]), HAS_SEQ_LENS=has_sl,
         USE_DOT=mt["use_dot"], DOT_PREC=mt["prec"], DOT_UPCAST=mt["upcast"], KEEP_ALL=eta is None,
         COMPACT=compact, DENSE_PCT=cfg.dense_pct,
+        FUSED_COMBINE=fused, RENORMALIZE=renormalize, WRITE_KEPT=want_kept,
         num_warps=cfg.warps2, num_stages=cfg.stages2,
     )
     return pt
@@ -556,7 +594,9 @@ def sift_decode_triton(
     """Inputs already validated by :func:`siftattention.kernels.sift_decode`."""
     cfg = cfg or KernelConfig()
     st = scores_pass(q, k_cache, scale, seq_lens, cfg)
-    pt = filter_pass(st, v_cache, eta, seq_lens, cfg)
+    pt = filter_pass(st, v_cache, eta, seq_lens, cfg, q.dtype, renormalize, want_kept=True)
+    if cfg.fused_combine:
+        return pt["out"], pt["kept"]
     return combine_pass(st, pt, q.dtype, renormalize, want_kept=True)
 
 
@@ -573,8 +613,8 @@ def sift_warmup_decode_triton(
     cfg = cfg or KernelConfig()
     st = scores_pass(q, k_cache, scale, seq_lens, cfg)
     theta = quantile_pass(st, tau, seq_lens, cfg)
-    pt = filter_pass(st, v_cache, None, seq_lens, cfg)
-    out, _ = combine_pass(st, pt, q.dtype, False, want_kept=False)
+    pt = filter_pass(st, v_cache, None, seq_lens, cfg, q.dtype, False, want_kept=False)
+    out = pt["out"] if cfg.fused_combine else combine_pass(st, pt, q.dtype, False, want_kept=False)[0]
     return out, theta
 
 
