@@ -215,7 +215,10 @@ def test_analyze_command_writes_summary_series_figures_and_report(tmp_path) -> N
     assert "r2_within_window" in by_type["sliding_attention"]
 
     report = (out / "report.md").read_text()
-    for png in ("series_samples.png", "r2_box.png", "warmup_r2_box.png", "beta_heatmap.png", "r2_box_by_layer_type.png"):
+    assert "r2_within_window" in by_type["full_attention"]  # the like-for-like control
+    pngs = ["series_samples.png", "r2_box.png", "warmup_r2_box.png", "beta_heatmap.png", "r2_box_by_layer_type.png",
+            "warmup_r2_box_sliding_attention.png", "warmup_r2_box_full_attention.png"]
+    for png in pngs:
         assert (out / png).stat().st_size > 5000
         assert f"]({png})" in report
     assert "0.6-0.8" in report  # the paper's numbers sit beside ours

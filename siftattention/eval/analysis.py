@@ -415,7 +415,9 @@ class AnalysisResult:
             for kind in dict.fromkeys(self.layer_types):
                 layers = self.layers_of_type(kind)
                 entry = {"layers": layers, **self._stats(layers)}
-                if kind == "sliding_attention" and self.window_r2 is not None and self.sliding_window:
+                if self.window_r2 is not None and self.sliding_window:
+                    # Sliding layers: the steps where they see the same keys as global layers;
+                    # global layers: the same steps, as the like-for-like control.
                     entry["sliding_window"] = self.sliding_window
                     entry["r2_within_window"] = {
                         tk: distribution(self.window_r2[t][:, layers]) for t, tk in enumerate(self.tau_keys)

@@ -125,8 +125,11 @@ def plot_r2_box(result: AnalysisResult, path: Path) -> Path:
     return path
 
 
-def plot_warmup_box(result: AnalysisResult, path: Path, ymin: float = WARMUP_YMIN) -> Path:
+def plot_warmup_box(result: AnalysisResult, path: Path, ymin: float = WARMUP_YMIN, layer_kind: str | None = None) -> Path:
+    """Warmup R^2 per w and tau; ``layer_kind`` restricts it to one layer type (e.g. "full_attention")."""
     plt = _plt()
+    layers = result.layers_of_type(layer_kind) if layer_kind else list(range(result.num_layers))
+    warmup_r2 = result.warmup_r2[:, :, :, layers]
     n_t, n_w = len(result.taus), len(result.warmups)
     fig, ax = plt.subplots(figsize=(max(6.5, 1.6 * n_w + 2), 4.6), constrained_layout=True)
     width = 0.8 / max(n_t, 1)
@@ -135,11 +138,11 @@ def plot_warmup_box(result: AnalysisResult, path: Path, ymin: float = WARMUP_YMI
     for t, (tk, color) in enumerate(zip(result.tau_keys, colors)):
         stats, pos = [], []
         for w, wk in enumerate(result.warmup_keys):
-            s = _box_stats(result.warmup_r2[t, w], "")
+            s = _box_stats(warmup_r2[t, w], "")
             clipped |= bool(s["whislo"] < ymin)
             stats.append(s)
             pos.append(w + (t - (n_t - 1) / 2) * width)
-            frac = float((result.warmup_r2[t, w] < 0).mean())
+            frac = float((warmup_r2[t, w] < 0).mean())
             ax.text(pos[-1], 1.04, f"{frac:.0%}", ha="center", va="center", fontsize=7)
         bp = ax.bxp(stats, positions=pos, widths=width * 0.85, showfliers=False, patch_artist=True,
                     medianprops={"color": "black"}, manage_ticks=False)
@@ -156,8 +159,9 @@ def plot_warmup_box(result: AnalysisResult, path: Path, ymin: float = WARMUP_YMI
     note = "numbers on top: fraction of fits with R² < 0"
     if clipped:
         note += f"; axis cut at {ymin:g}, lower whiskers run below it (raw values in summary.json)"
-    ax.set_title(f"Warmup-fit R² (box 25-75%, median, whiskers 5-95%)\n{_title(result)}\n{note}", fontsize=8.5)
-    ax.legend(fontsize=7, loc="lower right")
+    which = f", {TYPE_LABELS.get(layer_kind, layer_kind)} layers only ({len(layers)})" if layer_kind else ""
+    ax.set_title(f"Warmup-fit R² (box 25-75%, median, whiskers 5-95%)\n{_title(result)}{which}\n{note}", fontsize=8.5)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
@@ -198,8 +202,12 @@ def plot_r2_by_layer_type(result: AnalysisResult, path: Path) -> Path | None:
     for kind in kinds:
         layers = result.layers_of_type(kind)
         name = TYPE_LABELS.get(kind, kind)
-        groups.append((f"{name}\n(layers {','.join(map(str, layers)) if len(layers) <= 4 else len(layers)})", result.r2[:, :, layers]))
-        if kind == "sliding_attention" and result.window_r2 is not None:
+        where = f"layers {', '.join(map(str, layers))}" if len(layers) <= 4 else f"{len(layers)} layers"
+        groups.append((f"{name}\n({where})", result.r2[:, :, layers]))
+    if result.window_r2 is not None:
+        for kind in kinds:
+            layers = result.layers_of_type(kind)
+            name = TYPE_LABELS.get(kind, kind)
             groups.append((f"{name}\nrefit on S ≤ {result.sliding_window}", result.window_r2[:, :, layers]))
     n_t = len(result.taus)
     fig, ax = plt.subplots(figsize=(2.4 * len(groups) + 2, 4.4), constrained_layout=True)
@@ -217,7 +225,7 @@ def plot_r2_by_layer_type(result: AnalysisResult, path: Path) -> Path | None:
     ax.set_xticks(range(len(groups)), [g for g, _ in groups], fontsize=8)
     ax.set_ylabel("R² of the power-law fit (log space)")
     ax.set_title(f"R² by layer type (box 25-75%, median, whiskers 5-95%)\n{_title(result)}; S = generation step", fontsize=9)
-    ax.legend(fontsize=7, loc="lower left")
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
@@ -235,6 +243,8 @@ def write_figures(result: AnalysisResult, out_dir: Path) -> dict[str, Path]:
     by_type = plot_r2_by_layer_type(result, out_dir / "r2_box_by_layer_type.png")
     if by_type is not None:
         figures["r2_box_by_layer_type"] = by_type
+        for kind in dict.fromkeys(result.layer_types or []):
+            figures[f"warmup_r2_box_{kind}"] = plot_warmup_box(result, out_dir / f"warmup_r2_box_{kind}.png", layer_kind=kind)
     return figures
 
 
@@ -321,7 +331,8 @@ def write_report(result: AnalysisResult, out_dir: Path, figures: dict[str, Path]
             "",
             f"Sliding-window layers attend to min(S, {result.sliding_window}) keys: past S = {result.sliding_window} the number "
             "of keys is constant, so their quantiles are taken over the window and still plotted against the generation "
-            f"step S. The last column refits on S <= {result.sliding_window}, where sliding and global layers see the same keys.",
+            f"step S. The last column refits on S <= {result.sliding_window}, where sliding and global layers see the same keys "
+            "(for global layers it is the like-for-like control).",
             "",
             layer_type_table(summary),
             "",
@@ -332,11 +343,14 @@ def write_report(result: AnalysisResult, out_dir: Path, figures: dict[str, Path]
         "r2_box": "R^2 distribution per tau (box 25-75, median, whiskers 5-95)",
         "warmup_r2_box": "Out-of-sample R^2 of warmup fits per w",
         "r2_box_by_layer_type": "R^2 by layer type",
-        "beta_heatmap": "Median beta per layer and head",
     }
-    for key in ("series_samples", "r2_box", "warmup_r2_box", "r2_box_by_layer_type", "beta_heatmap"):
+    for kind in dict.fromkeys(result.layer_types or []):
+        captions[f"warmup_r2_box_{kind}"] = f"Out-of-sample R^2 of warmup fits, {TYPE_LABELS.get(kind, kind)} layers only"
+    for key in captions:
         if key in figures:
             lines += [f"### {captions[key]}", "", f"![{captions[key]}]({Path(figures[key]).name})", ""]
+    if "beta_heatmap" in figures:
+        lines += ["### Median beta per layer and head", "", f"![Median beta per layer and head]({Path(figures['beta_heatmap']).name})", ""]
     lines += ["## Per layer (median over windows x heads)", "", "| layer | " + " | ".join(
         f"beta tau={tk} | R^2 tau={tk}" for tk in result.tau_keys) + " |", "|---|" + "---|---|" * len(result.tau_keys)]
     for layer in range(result.num_layers):
