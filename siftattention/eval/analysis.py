@@ -28,7 +28,6 @@ from __future__ import annotations
 import math
 import resource
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -127,7 +126,6 @@ def row_quantiles(
     taus: Sequence[float],
     *,
     block_rows: int = 128,
-    workers: int = 1,
 ) -> torch.Tensor:
     """tau-quantiles of each row over its valid keys: probs [B, H, R, K], valid [B, 1|H, R, K] -> [B, H, R, T].
 
@@ -135,8 +133,7 @@ def row_quantiles(
     interpolation), with all taus from one sort. Rows are handled in blocks of
     ``block_rows``, each cut to the key columns that block can see (a causal prefix or
     a sliding-window band), which halves the sorting work of a causal matrix. Rows
-    with no valid key give 0. ``workers`` > 1 sorts blocks in threads (numpy releases
-    the GIL while sorting).
+    with no valid key give 0.
     """
     p = probs.detach().to("cpu", torch.float32).numpy()
     v = valid.detach().to("cpu", torch.bool).numpy()
@@ -153,13 +150,8 @@ def row_quantiles(
         k0, k1 = int(cols[0]), int(cols[-1]) + 1
         out[:, :, r0:r1] = _sorted_block_quantiles(p[:, :, r0:r1, k0:k1], vb[..., k0:k1], taus)
 
-    starts = range(0, R, max(1, block_rows))
-    if workers > 1 and len(starts) > 1:
-        with ThreadPoolExecutor(workers) as pool:
-            list(pool.map(block, starts))
-    else:
-        for r0 in starts:
-            block(r0)
+    for r0 in range(0, R, max(1, block_rows)):
+        block(r0)
     return torch.from_numpy(out)
 
 
@@ -193,7 +185,6 @@ class QuantileRecorder(Method):
 
     taus: tuple[float, ...] = (0.5, 0.75, 0.875)
     block_rows: int = 128
-    workers: int = 1
     name = "quantile-recorder"
 
     def __post_init__(self) -> None:
@@ -203,7 +194,7 @@ class QuantileRecorder(Method):
         return RecorderState()
 
     def select(self, rows: Rows, state: RecorderState) -> Selection:
-        theta = row_quantiles(rows.probs, rows.valid, self.taus, block_rows=self.block_rows, workers=self.workers)
+        theta = row_quantiles(rows.probs, rows.valid, self.taus, block_rows=self.block_rows)
         state.thetas.append(theta.numpy())
         state.key_counts.append(rows.steps.detach().to("cpu", torch.int32).numpy())
         return Selection(keep=None, approx=rows.is_step)
@@ -242,7 +233,6 @@ def record_series(
     *,
     on_window: Callable[[int], None] | None = None,
     on_layer: Callable[[int], None] | None = None,
-    workers: int = 1,
     block_rows: int = 128,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Teacher-forced quantile series of ``windows`` [N, T] (one window per forward pass).
@@ -255,7 +245,7 @@ def record_series(
 
     if windows.dim() != 2 or windows.shape[1] < 2:
         raise AnalysisError(f"windows must be [N, T] with T >= 2, got {tuple(windows.shape)}")
-    recorder = QuantileRecorder(taus=tuple(taus), block_rows=block_rows, workers=workers)
+    recorder = QuantileRecorder(taus=tuple(taus), block_rows=block_rows)
     hooks = []
     if on_layer is not None:
         for i, layer in enumerate(_decoder_layers(model)):
@@ -508,7 +498,6 @@ def run_analysis(
     on_loaded: Callable[[Any, torch.Tensor, str], None] | None = None,
     on_window: Callable[[int], None] | None = None,
     on_layer: Callable[[int], None] | None = None,
-    workers: int = 1,
 ) -> AnalysisResult:
     """Validate, load corpus then model, record, fit. Cheap checks run before any slow work."""
     from ..data import token_windows
@@ -528,7 +517,7 @@ def run_analysis(
     if on_loaded is not None:
         on_loaded(model, windows, corpus.source)
     tau_vals = [t for _, t in tau_items]
-    thetas, counts = record_series(model, windows, tau_vals, on_window=on_window, on_layer=on_layer, workers=workers)
+    thetas, counts = record_series(model, windows, tau_vals, on_window=on_window, on_layer=on_layer)
     recorded_at = time.perf_counter()
     types = layer_types(model)
     window = getattr(text_config(model), "sliding_window", None) if types and "sliding_attention" in types else None
