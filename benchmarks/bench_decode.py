@@ -348,6 +348,9 @@ def run_sweep(args):
         del sets
         torch.cuda.empty_cache()
         print(f"  config took {time.time() - t0:.1f}s", flush=True)
+        if args.out:  # partial results survive a time limit
+            with open(args.out + ".partial", "w") as f:
+                json.dump(rows, f)
     return rows
 
 
@@ -360,6 +363,42 @@ def print_table(rows):
             f"{r['sdpa_ms']:.3f} | {r['sift_ms']:.3f} | {r['sift_vs_sdpa']:.2f} | {r['topk_ms']:.3f} | {r['topk_over_sift']:.1f} | "
             f"{r['warmup_ms']:.3f} | {r['warmup_vs_sdpa']:.2f} | {r['sift_vs_sdpa_graph']:.2f} |"
         )
+
+
+def run_cpu_profile(args):
+    """Host time per call (no device sync) and a cProfile of the launch path."""
+    import cProfile
+    import pstats
+
+    gen = torch.Generator(device=DEV).manual_seed(5)
+    res = {}
+    for (Hq, Hkv) in args.heads or [(32, 32), (32, 8)]:
+        q, k, v = make_inputs(1, Hq, Hkv, 2048, 128, torch.float16, 3.0, 0.0, gen)
+        eta = thresholds(q, k, [0.875])[0][0]
+        for name, fn in (
+            ("sdpa", lambda: sdpa_decode(q, k, v)),
+            ("sift", lambda: sift_decode(q, k, v, eta, backend="triton")),
+            ("scores_pass", lambda: td.scores_pass(q, k, 128**-0.5, None, td.KernelConfig())),
+            ("empty_x10", lambda: [torch.empty(8, 32, 64, device=DEV) for _ in range(10)]),
+        ):
+            for _ in range(20):
+                fn()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(300):
+                fn()
+            t1 = time.perf_counter()
+            torch.cuda.synchronize()
+            res[f"{Hq}/{Hkv} {name}"] = (t1 - t0) / 300 * 1e6
+            print(f"host us/call {Hq}/{Hkv} {name}: {res[f'{Hq}/{Hkv} {name}']:.1f}", flush=True)
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(300):
+            sift_decode(q, k, v, eta, backend="triton")
+        pr.disable()
+        torch.cuda.synchronize()
+        pstats.Stats(pr).sort_stats("tottime").print_stats(14)
+    return res
 
 
 def run_ncu_child(args):
@@ -429,6 +468,7 @@ def main():
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--tune", action="store_true")
     ap.add_argument("--ncu", action="store_true")
+    ap.add_argument("--cpu-profile", action="store_true", help="host-side launch overhead per call")
     ap.add_argument("--ncu-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
 
@@ -449,7 +489,9 @@ def main():
         out["tune"] = run_tune(args)
     if args.ncu:
         out["ncu"] = run_ncu(args)
-    if not (args.check or args.tune or args.ncu):
+    if args.cpu_profile:
+        out["cpu_profile"] = run_cpu_profile(args)
+    if not (args.check or args.tune or args.ncu or args.cpu_profile):
         out["sweep"] = run_sweep(args)
     if args.out:
         with open(args.out, "w") as f:

@@ -26,6 +26,7 @@ CUDA graph and eta can be computed on the device.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -76,13 +77,39 @@ def _num_sms(device: torch.device) -> int:
     return _SM_COUNT[idx]
 
 
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _pow2(n: int) -> int:
+    # Plain Python: triton.next_power_of_2 / triton.cdiv are @jit functions, slow to call on the host.
+    return 1 << max(0, (n - 1).bit_length())
+
+
 def _split(s_max: int, rows: int, block_n: int, programs_per_sm: int, sms: int, min_len: int) -> tuple[int, int]:
     """(split length, number of splits): enough programs to fill the chip, none tiny."""
-    n_blocks = triton.cdiv(s_max, block_n)
-    want = max(1, min(triton.cdiv(programs_per_sm * sms, rows), triton.cdiv(s_max, min_len)))
+    n_blocks = _cdiv(s_max, block_n)
+    want = max(1, min(_cdiv(programs_per_sm * sms, rows), _cdiv(s_max, min_len)))
     splits = min(want, n_blocks)
-    split_len = triton.cdiv(n_blocks, splits) * block_n
-    return split_len, triton.cdiv(s_max, split_len)
+    split_len = _cdiv(n_blocks, splits) * block_n
+    return split_len, _cdiv(s_max, split_len)
+
+
+@functools.lru_cache(maxsize=256)
+def _plan(B: int, Hq: int, Hkv: int, S: int, D: int, dtype: torch.dtype, sms: int, interp: bool, cfg: KernelConfig) -> dict:
+    """Launch geometry for one problem shape, computed once (host time matters at decode)."""
+    G = Hq // Hkv
+    split1, ns1 = _split(S, B * Hkv, cfg.block_n1, cfg.programs1, sms, cfg.min_split1)
+    split2, ns2 = _split(S, B * Hkv, cfg.block_n2, cfg.programs2, sms, cfg.min_split2)
+    return dict(
+        B=B, Hq=Hq, Hkv=Hkv, S=S, D=D, G=G, use_dot=cfg.use_dot,
+        BLOCK_G=max(16, _pow2(G)) if cfg.use_dot else _pow2(G),
+        BLOCK_GA=_pow2(G),
+        BLOCK_D=max(16, _pow2(D)),
+        prec="ieee" if dtype == torch.float32 else "tf32",
+        upcast=dtype == torch.bfloat16 and interp,
+        split1=split1, ns1=ns1, BLOCK_S1=_pow2(ns1), split2=split2, ns2=ns2, BLOCK_S2=_pow2(ns2),
+    )
 
 
 # --------------------------------------------------------------------------- kernels
@@ -469,18 +496,8 @@ def _quantile_kernel(
 
 def _meta(q: torch.Tensor, k_cache: torch.Tensor, cfg: KernelConfig) -> dict:
     B, Hq, D = q.shape
-    Hkv, S = k_cache.shape[1], k_cache.shape[2]
-    G = Hq // Hkv
-    use_dot = cfg.use_dot
-    return dict(
-        B=B, Hq=Hq, Hkv=Hkv, S=S, D=D, G=G, use_dot=use_dot,
-        BLOCK_G=max(16, triton.next_power_of_2(G)) if use_dot else triton.next_power_of_2(G),
-        BLOCK_GA=triton.next_power_of_2(G),
-        BLOCK_D=max(16, triton.next_power_of_2(D)),
-        prec="ieee" if q.dtype == torch.float32 else "tf32",
-        upcast=q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET", "0") == "1",
-        sms=_num_sms(q.device),
-    )
+    interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return _plan(B, Hq, k_cache.shape[1], k_cache.shape[2], D, q.dtype, _num_sms(q.device), interp, cfg)
 
 
 def scores_pass(q, k_cache, scale, seq_lens, cfg: KernelConfig) -> dict:
@@ -488,7 +505,7 @@ def scores_pass(q, k_cache, scale, seq_lens, cfg: KernelConfig) -> dict:
     mt = _meta(q, k_cache, cfg)
     B, Hq, Hkv, S = mt["B"], mt["Hq"], mt["Hkv"], mt["S"]
     dev = q.device
-    split1, ns1 = _split(S, B * Hkv, cfg.block_n1, cfg.programs1, mt["sms"], cfg.min_split1)
+    split1, ns1 = mt["split1"], mt["ns1"]
     st = dict(
         meta=mt, ns1=ns1,
         scores=torch.empty(B, Hq, S, device=dev, dtype=torch.float32),
@@ -517,7 +534,7 @@ def quantile_pass(st: dict, tau: torch.Tensor, seq_lens, cfg: KernelConfig) -> t
     _quantile_kernel[(mt["B"] * mt["Hq"],)](
         st["scores"], st["mst"], st["lst"], st["ast"], tau, seq_lens if has_sl else tau, theta,
         mt["S"], st["ns1"],
-        HQ=mt["Hq"], BLOCK=cfg.quantile_block, BLOCK_S1=triton.next_power_of_2(st["ns1"]),
+        HQ=mt["Hq"], BLOCK=cfg.quantile_block, BLOCK_S1=mt["BLOCK_S1"],
         HAS_SEQ_LENS=has_sl, STAGES=cfg.quantile_stages, num_warps=cfg.quantile_warps,
     )
     return theta
@@ -534,7 +551,7 @@ def filter_pass(
     mt = st["meta"]
     B, Hq, Hkv, S, D = mt["B"], mt["Hq"], mt["Hkv"], mt["S"], mt["D"]
     dev = v_cache.device
-    split2, ns2 = _split(S, B * Hkv, cfg.block_n2, cfg.programs2, mt["sms"], cfg.min_split2)
+    split2, ns2 = mt["split2"], mt["ns2"]
     compact = cfg.compact and eta is not None
     fused = cfg.fused_combine
     pt = dict(
@@ -557,7 +574,7 @@ def filter_pass(
         out.stride(0), out.stride(1), out.stride(2),
         S, split2, st["ns1"], ns2,
         HQ=Hq, HKV=Hkv, G=mt["G"], BLOCK_G=mt["BLOCK_G"], BLOCK_GA=mt["BLOCK_GA"], D=D, BLOCK_D=mt["BLOCK_D"],
-        BLOCK_N=cfg.block_n2, BLOCK_A=cfg.block_a, BLOCK_S1=triton.next_power_of_2(st["ns1"]), HAS_SEQ_LENS=has_sl,
+        BLOCK_N=cfg.block_n2, BLOCK_A=cfg.block_a, BLOCK_S1=mt["BLOCK_S1"], HAS_SEQ_LENS=has_sl,
         USE_DOT=mt["use_dot"], DOT_PREC=mt["prec"], DOT_UPCAST=mt["upcast"], KEEP_ALL=eta is None,
         COMPACT=compact, DENSE_PCT=cfg.dense_pct,
         FUSED_COMBINE=fused, RENORMALIZE=renormalize, WRITE_KEPT=want_kept,
@@ -575,10 +592,13 @@ def combine_pass(st: dict, pt: dict, out_dtype: torch.dtype, renormalize: bool, 
     _combine_kernel[(B * Hq,)](
         pt["part"], pt["cnt"], pt["mass"], out, kept if want_kept else pt["cnt"],
         out.stride(0), out.stride(1), out.stride(2), pt["ns2"],
-        HQ=Hq, D=D, BLOCK_D=mt["BLOCK_D"], BLOCK_S2=triton.next_power_of_2(pt["ns2"]),
+        HQ=Hq, D=D, BLOCK_D=mt["BLOCK_D"], BLOCK_S2=mt["BLOCK_S2"],
         RENORMALIZE=renormalize, WRITE_KEPT=want_kept, num_warps=4,
     )
     return out, kept
+
+
+_DEFAULT = KernelConfig()
 
 
 def sift_decode_triton(
@@ -592,7 +612,7 @@ def sift_decode_triton(
     cfg: KernelConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Inputs already validated by :func:`siftattention.kernels.sift_decode`."""
-    cfg = cfg or KernelConfig()
+    cfg = cfg or _DEFAULT
     st = scores_pass(q, k_cache, scale, seq_lens, cfg)
     pt = filter_pass(st, v_cache, eta, seq_lens, cfg, q.dtype, renormalize, want_kept=True)
     if cfg.fused_combine:
@@ -610,7 +630,7 @@ def sift_warmup_decode_triton(
     cfg: KernelConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact output plus theta; ``tau`` is a float64 [B, Hq] tensor."""
-    cfg = cfg or KernelConfig()
+    cfg = cfg or _DEFAULT
     st = scores_pass(q, k_cache, scale, seq_lens, cfg)
     theta = quantile_pass(st, tau, seq_lens, cfg)
     pt = filter_pass(st, v_cache, None, seq_lens, cfg, q.dtype, False, want_kept=False)

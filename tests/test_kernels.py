@@ -1,0 +1,333 @@
+"""Tests for siftattention.kernels (decode step, warmup quantile).
+
+The torch backend is checked here against an independent float64 reference. The
+Triton kernels run under Triton's CPU interpreter (TRITON_INTERPRET=1) in one
+subprocess, so that the interpreter setting never leaks into this process; the
+subprocess is this file run as a script and returns its measurements as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import zlib
+
+import pytest
+import torch
+
+from siftattention.kernels import logit_threshold, sift_decode, sift_warmup_decode
+
+# ----------------------------------------------------------------------------- reference
+
+
+def ref_decode(q, k, v, eta, scale, seq_lens, renormalize):
+    """float64, one (batch, head) row at a time over its valid keys only."""
+    B, Hq, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    out = torch.zeros(B, Hq, D, dtype=torch.float64)
+    kept = torch.zeros(B, Hq, dtype=torch.int32)
+    for b in range(B):
+        n = S if seq_lens is None else int(seq_lens[b])
+        for h in range(Hq):
+            s = (k[b, h // G, :n].double() @ q[b, h].double()) * scale
+            p = torch.softmax(s, dim=0)
+            keep = p > float(eta[b, h])
+            keep[int(torch.argmax(s))] = True
+            w = torch.where(keep, p, torch.zeros_like(p))
+            if renormalize:
+                w = w / w.sum()
+            out[b, h] = w @ v[b, h // G, :n].double()
+            kept[b, h] = int(keep.sum())
+    return out, kept
+
+
+def ref_probs(q, k, scale, seq_lens, b, h):
+    G = q.shape[1] // k.shape[1]
+    n = k.shape[2] if seq_lens is None else int(seq_lens[b])
+    s = (k[b, h // G, :n].double() @ q[b, h].double()) * scale
+    return torch.softmax(s, dim=0)
+
+
+def ref_theta(q, k, scale, seq_lens, tau):
+    B, Hq, _ = q.shape
+    th = torch.zeros(B, Hq, dtype=torch.float64)
+    for b in range(B):
+        for h in range(Hq):
+            th[b, h] = torch.quantile(ref_probs(q, k, scale, seq_lens, b, h), tau)
+    return th
+
+
+def midway_eta(q, k, scale, seq_lens, mode, gen):
+    """Per-head thresholds away from ties: keep one key, all keys, or a random number."""
+    B, Hq, _ = q.shape
+    eta = torch.zeros(B, Hq)
+    for b in range(B):
+        for h in range(Hq):
+            p = torch.sort(ref_probs(q, k, scale, seq_lens, b, h)).values
+            n = p.numel()
+            if mode == "one":
+                eta[b, h] = 1.0
+            elif mode == "all" or n == 1:
+                eta[b, h] = 0.0
+            else:
+                r = int(torch.randint(0, n - 1, (1,), generator=gen))
+                eta[b, h] = float((p[r] + p[r + 1]) / 2)
+    return eta
+
+
+def make_case(B, Hq, Hkv, S, D, dtype, gen, ragged=True, logit_std=2.0):
+    q = (torch.randn(B, Hq, D, generator=gen) * logit_std).to(dtype)
+    k = torch.randn(B, Hkv, S, D, generator=gen).to(dtype)
+    v = torch.randn(B, Hkv, S, D, generator=gen).to(dtype)
+    seq_lens = torch.randint(1, S + 1, (B,), generator=gen) if ragged else None
+    if ragged:
+        seq_lens[0] = S  # one full row, one row of length 1 where B allows
+        if B > 1:
+            seq_lens[1] = 1
+    return q, k, v, seq_lens
+
+
+def seed(*key) -> int:
+    return zlib.crc32(repr(key).encode())
+
+
+def rel(a, b):
+    return float((a.double() - b).norm() / b.norm().clamp_min(1e-30))
+
+
+# ----------------------------------------------------------------------------- torch backend
+
+TORCH_CASES = [
+    # B, Hq, Hkv, S, D
+    (4, 4, 4, 37, 64),
+    (3, 8, 2, 101, 128),
+    (2, 16, 2, 67, 64),
+    (1, 8, 1, 129, 128),
+]
+
+
+@pytest.mark.parametrize("B,Hq,Hkv,S,D", TORCH_CASES)
+@pytest.mark.parametrize("mode", ["one", "some", "all"])
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_torch_backend_matches_float64(B, Hq, Hkv, S, D, mode, renormalize):
+    gen = torch.Generator().manual_seed(seed(B, Hq, Hkv, S, D, mode))
+    q, k, v, sl = make_case(B, Hq, Hkv, S, D, torch.float32, gen)
+    scale = D**-0.5
+    eta = midway_eta(q, k, scale, sl, mode, gen)
+    out, kept = sift_decode(q, k, v, eta, seq_lens=sl, renormalize=renormalize, backend="torch")
+    ref, ref_kept = ref_decode(q, k, v, eta, scale, sl, renormalize)
+    assert out.dtype == torch.float32 and kept.dtype == torch.int32
+    assert rel(out, ref) < 1e-5
+    assert torch.equal(kept, ref_kept)
+    if mode == "one":
+        assert bool((kept == 1).all())
+    if mode == "all":
+        n = torch.full((B,), S) if sl is None else sl
+        assert torch.equal(kept, n[:, None].expand(B, Hq).int())
+
+
+def test_torch_backend_half_inputs_and_auto():
+    gen = torch.Generator().manual_seed(7)
+    q, k, v, sl = make_case(2, 8, 2, 45, 64, torch.float16, gen)
+    eta = midway_eta(q, k, 0.125, sl, "some", gen)
+    out, kept = sift_decode(q, k, v, eta, seq_lens=sl, backend="auto")  # CPU tensors: torch
+    ref, ref_kept = ref_decode(q, k, v, eta, 0.125, sl, False)
+    assert out.dtype == torch.float16
+    assert rel(out, ref) < 2e-3
+    assert torch.equal(kept, ref_kept)
+
+
+def test_strided_cache_slice():
+    """A cache slice that is non-contiguous along S (as from a preallocated cache)."""
+    gen = torch.Generator().manual_seed(8)
+    q, k, v, _ = make_case(2, 4, 2, 60, 64, torch.float32, gen, ragged=False)
+    ks, vs = k[:, :, 3:50], v[:, :, 3:50]
+    eta = midway_eta(q, ks, 0.125, None, "some", gen)
+    out, kept = sift_decode(q, ks, vs, eta, backend="torch")
+    ref, ref_kept = ref_decode(q, ks.contiguous(), vs.contiguous(), eta, 0.125, None, False)
+    assert rel(out, ref) < 1e-5 and torch.equal(kept, ref_kept)
+
+
+def test_logit_threshold_equivalence():
+    gen = torch.Generator().manual_seed(9)
+    s = torch.randn(6, 300, generator=gen, dtype=torch.float64) * 3
+    p = torch.softmax(s, dim=-1)
+    m = s.max(dim=-1).values
+    sum_exp = torch.exp(s - m[:, None]).sum(-1)
+    for eta in (1e-5, 1e-3, 0.01, 0.2):
+        thr = logit_threshold(torch.tensor(eta, dtype=torch.float64), m, sum_exp)
+        # exclude keys within rounding of the threshold, where the two tests may differ
+        clear = (s - thr[:, None]).abs() > 1e-9
+        assert torch.equal((p > eta) & clear, (s > thr[:, None]) & clear)
+    assert torch.isneginf(logit_threshold(0.0, m, sum_exp)).all()
+
+
+@pytest.mark.parametrize("B,Hq,Hkv,S,D", [(3, 8, 2, 77, 64), (2, 4, 4, 130, 128), (2, 8, 1, 9, 64)])
+@pytest.mark.parametrize("tau", [0.0, 0.3, 0.875, 1.0])
+def test_torch_warmup_quantile(B, Hq, Hkv, S, D, tau):
+    gen = torch.Generator().manual_seed(seed(B, S, tau))
+    q, k, v, sl = make_case(B, Hq, Hkv, S, D, torch.float32, gen)
+    out, theta = sift_warmup_decode(q, k, v, tau, seq_lens=sl, backend="torch")
+    ref_out, _ = ref_decode(q, k, v, torch.zeros(B, Hq), D**-0.5, sl, False)
+    assert rel(out, ref_out) < 1e-5
+    assert theta.dtype == torch.float32 and theta.shape == (B, Hq)
+    assert torch.allclose(theta.double(), ref_theta(q, k, D**-0.5, sl, tau), rtol=1e-5, atol=0)
+    if sl is not None and B > 1:
+        assert bool((theta[1] == 1.0).all())  # one valid key: theta_1 = 1 for every tau
+
+
+def exact_score_case(gen, B=2, Hq=4, Hkv=2, S=53, D=64):
+    """Small integer q and k with scale 1/8: float32 scores are exact, ties included."""
+    q = torch.randint(-2, 3, (B, Hq, D), generator=gen).float()
+    k = torch.randint(-1, 2, (B, Hkv, S, D), generator=gen).float()
+    v = torch.randn(B, Hkv, S, D, generator=gen)
+    return q, k, v, torch.tensor([S, 20][:B])
+
+
+def ulps(a: torch.Tensor, b: torch.Tensor) -> float:
+    """|a - b| in units of the float32 spacing at b."""
+    spacing = torch.finfo(torch.float32).eps * b.abs().clamp_min(torch.finfo(torch.float32).tiny)
+    return float(((a.double() - b) / spacing.double()).abs().max())
+
+
+@pytest.mark.parametrize("tau", [0.1, 0.5, 0.875, 0.99])
+def test_torch_warmup_quantile_exact_scores(tau):
+    gen = torch.Generator().manual_seed(11)
+    q, k, v, sl = exact_score_case(gen)
+    _, theta = sift_warmup_decode(q, k, v, tau, scale=0.125, seq_lens=sl, backend="torch")
+    # Only exp and the softmax sum round: a few float32 steps of the exact value.
+    assert ulps(theta, ref_theta(q, k, 0.125, sl, tau)) <= 8
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def test_validation_errors():
+    q = torch.randn(2, 8, 64)
+    k = torch.randn(2, 2, 10, 64)
+    eta = torch.zeros(2, 8)
+    with pytest.raises(ValueError, match="multiple"):
+        sift_decode(torch.randn(2, 6, 64), torch.randn(2, 4, 10, 64), torch.randn(2, 4, 10, 64), torch.zeros(2, 6))
+    with pytest.raises(ValueError, match="q must be"):
+        sift_decode(q[0], k, k, eta)
+    with pytest.raises(ValueError, match="differ in shape"):
+        sift_decode(q, k, k[:, :, :5], eta)
+    with pytest.raises(ValueError, match="head_dim"):
+        sift_decode(q, k[..., :32], k[..., :32], eta)
+    with pytest.raises(ValueError, match="dtypes differ"):
+        sift_decode(q.half(), k, k, eta)
+    with pytest.raises(ValueError, match="dtype"):
+        sift_decode(q.double(), k.double(), k.double(), eta)
+    with pytest.raises(ValueError, match="unknown backend"):
+        sift_decode(q, k, k, eta, backend="cuda")
+    with pytest.raises(ValueError, match="eta must be"):
+        sift_decode(q, k, k, torch.zeros(2, 4))
+    with pytest.raises(ValueError, match="seq_lens must be"):
+        sift_decode(q, k, k, eta, seq_lens=torch.tensor([3]))
+    with pytest.raises(ValueError, match="integer"):
+        sift_decode(q, k, k, eta, seq_lens=torch.tensor([3.0, 4.0]))
+    with pytest.raises(ValueError, match="tau"):
+        sift_warmup_decode(q, k, k, 1.5)
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        with pytest.raises(ValueError, match="triton"):
+            sift_decode(q, k, k, eta, backend="triton")
+
+
+# ----------------------------------------------------------------------------- triton (interpreter)
+
+# (B, Hq, Hkv, S, D, dtype, config overrides). Small blocks and splits so that odd
+# lengths cross tile, split and compaction boundaries.
+SMALL = dict(block_n1=16, block_n2=16, block_a=32, min_split1=16, min_split2=16, quantile_block=32)
+TRITON_CASES = [
+    (2, 4, 4, 37, 64, "float32", {}),
+    (3, 8, 2, 53, 128, "float16", {}),
+    (2, 8, 1, 41, 64, "bfloat16", {}),
+    (2, 8, 1, 41, 64, "float16", {"compact": False}),
+    (1, 4, 4, 70, 128, "bfloat16", {"dense_pct": 0, "fused_combine": False}),
+]
+
+
+def _triton_worker() -> dict:
+    """Runs in a subprocess with TRITON_INTERPRET=1; returns measured errors as JSON."""
+    from siftattention.kernels.triton_decode import KernelConfig, sift_decode_triton, sift_warmup_decode_triton
+
+    res: dict = {"decode": [], "warmup": [], "exact": []}
+    gen = torch.Generator().manual_seed(21)
+    for i, (B, Hq, Hkv, S, D, dt, over) in enumerate(TRITON_CASES):
+        dtype = getattr(torch, dt)
+        cfg = KernelConfig(**{**SMALL, **over})
+        q, k, v, sl = make_case(B, Hq, Hkv, S + 3, D, dtype, gen)
+        k, v = k[:, :, 1 : S + 1], v[:, :, 1 : S + 1]  # strided along S
+        sl = sl.clamp(max=S)
+        scale = D**-0.5
+        for mode in ("one", "some", "all"):
+            eta = midway_eta(q, k, scale, sl, mode, gen)
+            for renorm in (False, True):
+                out, kept = sift_decode_triton(q, k, v, eta, scale, sl.int(), renorm, cfg)
+                ref, ref_kept = ref_decode(q, k, v, eta, scale, sl, renorm)
+                res["decode"].append(dict(case=i, mode=mode, renorm=renorm, dtype=dt, err=rel(out, ref),
+                                          kept_equal=bool(torch.equal(kept.cpu(), ref_kept)),
+                                          out_dtype=str(out.dtype)))
+        if i < 3:  # warmup quantile on the same shapes
+            for tau in (0.25, 0.9):
+                tau_t = torch.full((B, Hq), tau, dtype=torch.float64)
+                out, theta = sift_warmup_decode_triton(q, k, v, tau_t, scale, sl.int(), cfg)
+                ref, _ = ref_decode(q, k, v, torch.zeros(B, Hq), scale, sl, False)
+                th_ref = ref_theta(q, k, scale, sl, tau)
+                res["warmup"].append(dict(case=i, tau=tau, dtype=dt, err=rel(out, ref),
+                                          theta_rel=float(((theta.double() - th_ref).abs() / th_ref).max())))
+    q, k, v, sl = exact_score_case(gen)
+    for tau in (0.1, 0.5, 0.875, 0.99, 1.0):
+        tau_t = torch.full(q.shape[:2], tau, dtype=torch.float64)
+        _, theta = sift_warmup_decode_triton(q, k, v, tau_t, 0.125, sl.int(), KernelConfig(**SMALL))
+        res["exact"].append(dict(tau=tau, ulps=ulps(theta, ref_theta(q, k, 0.125, sl, tau))))
+    return res
+
+
+@pytest.fixture(scope="module")
+def triton_results():
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        pytest.skip("triton is not installed: the Triton kernels cannot be checked (pip install triton)")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "TRITON_DEFAULT_FP_FUSION": "1"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    p = subprocess.run([sys.executable, os.path.abspath(__file__), "--triton-worker"],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert p.returncode == 0, p.stderr[-4000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def test_triton_decode_matches_float64(triton_results):
+    rows = triton_results["decode"]
+    assert len(rows) == len(TRITON_CASES) * 6
+    for r in rows:
+        tol = 1e-5 if r["dtype"] == "float32" else 1e-2
+        assert r["err"] < tol, r
+        assert r["kept_equal"], r
+        assert r["out_dtype"] == "torch." + r["dtype"], r
+
+
+def test_triton_warmup_matches_float64(triton_results):
+    rows = triton_results["warmup"]
+    assert len(rows) == 6
+    for r in rows:
+        assert r["err"] < (1e-5 if r["dtype"] == "float32" else 1e-2), r
+        # float32 scores of fp16/bf16 inputs vs float64 scores: p differs by ~1e-6 relative
+        assert r["theta_rel"] < 1e-5, r
+
+
+def test_triton_warmup_quantile_exact_scores(triton_results):
+    rows = triton_results["exact"]
+    assert len(rows) == 5
+    for r in rows:
+        assert math.isfinite(r["ulps"]) and r["ulps"] <= 8, r
+
+
+if __name__ == "__main__" and "--triton-worker" in sys.argv:
+    print(json.dumps(_triton_worker()))
