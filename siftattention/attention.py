@@ -52,6 +52,29 @@ def valid_keys(mask: torch.Tensor | None, q_len: int, k_len: int, batch: int, de
     return valid.expand(batch, 1, q_len, k_len), bias
 
 
+def exact_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    valid: torch.Tensor,
+    *,
+    scaling: float,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Exact attention through torch's fused SDPA, for rows no method needs to see.
+
+    Rows without any valid key (left padding) attend to every key instead of producing
+    NaN; their outputs are never attended to by real tokens.
+    """
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    mask = valid | ~valid.any(dim=-1, keepdim=True)
+    if bias is not None:
+        mask = torch.where(mask, bias.to(query.dtype), torch.finfo(query.dtype).min)
+    return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling)
+
+
 def method_attention(
     method: Method,
     state: Any,

@@ -21,7 +21,7 @@ import torch
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .attention import LayerRecord, method_attention, valid_keys
+from .attention import LayerRecord, exact_attention, method_attention, valid_keys
 from .methods.base import Method
 
 _ids = itertools.count()
@@ -229,6 +229,15 @@ class SiftHandle:
             self._decoded[layer] = 0
         elif self._use_decode_kernels(layer, query, Q, bias, kwargs):
             return self._kernel_decode_step(layer, state, query, key, value, valid, scaling)
+        if (prefill and not self.method.observes_prefill()) or self.method.always_exact:
+            if kwargs.get("softcap") is None:
+                out = exact_attention(query, key, value, valid, scaling=scaling, bias=bias)
+                if not prefill:
+                    steps = valid[:, 0].sum(-1)
+                    self.records[layer].add(steps, steps[:, None, :].expand(B, Hq, Q), steps > 0)
+                else:
+                    self.method.finish_prefill(state)
+                return out.transpose(1, 2).contiguous(), None
         out = method_attention(
             self.method,
             state,

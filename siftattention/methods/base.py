@@ -71,6 +71,8 @@ class Method:
     """Base class of the attention methods (each one a small dataclass)."""
 
     name: ClassVar[str] = "method"
+    #: the method never prunes (Full): its rows can run through a fused exact kernel.
+    always_exact: ClassVar[bool] = False
     renormalize: bool = False
     #: rows with S <= warmup (teacher-forced) or the first ``warmup`` decoded tokens are exact.
     warmup: int = 0
@@ -81,6 +83,10 @@ class Method:
 
     def select(self, rows: Rows, state: Any) -> Selection:
         raise NotImplementedError
+
+    def observes_prefill(self) -> bool:
+        """Whether ``observe_prefill`` needs the prompt's attention probabilities."""
+        return False
 
     def observe_prefill(self, rows: Rows, state: Any) -> None:
         """Called, in decode mode, with the prompt rows that are computed exactly."""

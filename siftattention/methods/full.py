@@ -12,6 +12,7 @@ class Full(Method):
     """Exact attention; realized sparsity 0."""
 
     name = "full"
+    always_exact = True
 
     def select(self, rows: Rows, state: None) -> Selection:
         return Selection(keep=None, approx=rows.is_step)

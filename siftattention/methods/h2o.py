@@ -88,6 +88,9 @@ class H2O(Method):
             probs[:, :, r] = p
         return Selection(keep=keep, approx=rows.is_step, probs=probs)
 
+    def observes_prefill(self) -> bool:
+        return True
+
     def observe_prefill(self, rows: Rows, state: H2OState) -> None:
         # The prompt is attended exactly; its attention still counts towards the heavy hitters.
         self._fit_state(state, rows.probs.shape[-1])

@@ -99,6 +99,9 @@ class Sift(Method):
         keep = torch.where(approx[:, None, :, None], keep, rows.valid)
         return Selection(keep=keep, approx=approx)
 
+    def observes_prefill(self) -> bool:
+        return self.warmup_source == "prefill"
+
     def observe_prefill(self, rows: Rows, state: SiftState) -> None:
         """warmup_source='prefill': record the last ``warmup`` prompt rows (all if shorter)."""
         if self.warmup_source != "prefill":
