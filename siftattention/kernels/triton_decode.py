@@ -52,13 +52,14 @@ class KernelConfig:
     stages2: int = 3
     programs2: int = 8
     min_split2: int = 4096
+    fill: int = 4  # fewest programs per SM (overrides the minimum split length)
     # Tensor-core dot for QK and PV (heads padded to 16). Triton pipelines the loads
     # that feed a dot through shared memory (cp.async), so this is the default even
     # for MHA; the elementwise path loads to registers without prefetch.
     use_dot: bool = True
     compact: bool = True  # filter pass: gather compacted kept rows (see _filter_kernel)
     block_a: int = 1024  # keys per iteration of the compaction scan
-    dense_pct: int = 101  # stream instead of gather when more than this % of rows is kept
+    dense_pct: int = 85  # stream instead of gather when more than this % of rows is kept
     fused_combine: bool = True  # last split program reduces (no separate combine launch)
     quantile_block: int = 4096
     quantile_warps: int = 8
@@ -86,10 +87,18 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _split(s_max: int, rows: int, block_n: int, programs_per_sm: int, sms: int, min_len: int) -> tuple[int, int]:
-    """(split length, number of splits): enough programs to fill the chip, none tiny."""
+def _split(
+    s_max: int, rows: int, block_n: int, programs_per_sm: int, sms: int, min_len: int, fill: int
+) -> tuple[int, int]:
+    """(split length, number of splits).
+
+    Aim for ``programs_per_sm`` programs per SM with splits of at least ``min_len``
+    keys, but never fewer than ``fill`` programs per SM while the sequence allows
+    (few rows, i.e. small batch or few KV heads, need short splits to fill the chip).
+    """
     n_blocks = _cdiv(s_max, block_n)
-    want = max(1, min(_cdiv(programs_per_sm * sms, rows), _cdiv(s_max, min_len)))
+    want = min(_cdiv(programs_per_sm * sms, rows), _cdiv(s_max, min_len))
+    want = max(1, want, _cdiv(fill * sms, rows))
     splits = min(want, n_blocks)
     split_len = _cdiv(n_blocks, splits) * block_n
     return split_len, _cdiv(s_max, split_len)
@@ -99,8 +108,8 @@ def _split(s_max: int, rows: int, block_n: int, programs_per_sm: int, sms: int, 
 def _plan(B: int, Hq: int, Hkv: int, S: int, D: int, dtype: torch.dtype, sms: int, interp: bool, cfg: KernelConfig) -> dict:
     """Launch geometry for one problem shape, computed once (host time matters at decode)."""
     G = Hq // Hkv
-    split1, ns1 = _split(S, B * Hkv, cfg.block_n1, cfg.programs1, sms, cfg.min_split1)
-    split2, ns2 = _split(S, B * Hkv, cfg.block_n2, cfg.programs2, sms, cfg.min_split2)
+    split1, ns1 = _split(S, B * Hkv, cfg.block_n1, cfg.programs1, sms, cfg.min_split1, cfg.fill)
+    split2, ns2 = _split(S, B * Hkv, cfg.block_n2, cfg.programs2, sms, cfg.min_split2, cfg.fill)
     return dict(
         B=B, Hq=Hq, Hkv=Hkv, S=S, D=D, G=G, use_dot=cfg.use_dot,
         BLOCK_G=max(16, _pow2(G)) if cfg.use_dot else _pow2(G),
