@@ -229,28 +229,19 @@ class SiftHandle:
             self._decoded[layer] = 0
         elif self._use_decode_kernels(layer, query, Q, bias, kwargs):
             return self._kernel_decode_step(layer, state, query, key, value, valid, scaling)
-        if (prefill and not self.method.observes_prefill()) or self.method.always_exact:
-            if kwargs.get("softcap") is None:
-                out = exact_attention(query, key, value, valid, scaling=scaling, bias=bias)
-                if not prefill:
-                    steps = valid[:, 0].sum(-1)
-                    self.records[layer].add(steps, steps[:, None, :].expand(B, Hq, Q), steps > 0)
-                else:
-                    self.method.finish_prefill(state)
-                return out.transpose(1, 2).contiguous(), None
-        out = method_attention(
-            self.method,
-            state,
-            query,
-            key,
-            value,
-            valid,
-            scaling=scaling,
-            bias=bias,
-            softcap=kwargs.get("softcap"),
-            prefill=prefill,
-            record=self.records[layer],
-        )
+        softcap = kwargs.get("softcap")
+        record = self.records[layer]
+        if softcap is None and (self.method.always_exact or (prefill and not self.method.observes_prefill())):
+            # Rows nobody needs to see go through torch's fused attention.
+            out = exact_attention(query, key, value, valid, scaling=scaling, bias=bias)
+            if not prefill:
+                steps = valid[:, 0].sum(-1)
+                record.add(steps, steps[:, None, :].expand(B, Hq, Q), steps > 0)
+        else:
+            out = method_attention(
+                self.method, state, query, key, value, valid,
+                scaling=scaling, bias=bias, softcap=softcap, prefill=prefill, record=record,
+            )
         if prefill:
             self.method.finish_prefill(state)
         elif self.decoding and layer in self._decoded:
