@@ -52,7 +52,7 @@ class KernelConfig:
     stages2: int = 3
     programs2: int = 8
     min_split2: int = 4096
-    fill: int = 4  # fewest programs per SM (overrides the minimum split length)
+    fill: int = 2  # fewest programs per SM (overrides the minimum split length)
     # Tensor-core dot for QK and PV (heads padded to 16). Triton pipelines the loads
     # that feed a dot through shared memory (cp.async), so this is the default even
     # for MHA; the elementwise path loads to registers without prefetch.
