@@ -452,6 +452,43 @@ def run_ncu(args):
     return res
 
 
+def render(paths):
+    """Markdown tables from result JSON files (sweeps and --ncu runs)."""
+    rows, ncu = [], []
+    for p in paths:
+        with open(p) as f:
+            d = json.load(f)
+        rows += d.get("sweep", [])
+        ncu += d.get("ncu", [])
+    if rows:
+        print_table(rows)
+    for r in ncu:
+        B, Hq, Hkv, S = r["B"], r["Hq"], r["Hkv"], r["S"]
+        kv = r["dense_bytes"] / 2
+        scores = B * Hq * S * 4
+        reads = [(k[0], float(k[3])) for k in r["kernels"] if k[1] == "dram__bytes_read.sum"]
+        sdpa = next(v for n, v in reads if not n.startswith("_"))
+        ours = [(n, v) for n, v in reads if n.startswith("_")]
+        calls, cur = [], []
+        for n, v in ours:  # one sift call = scores + filter; the warmup adds the quantile
+            cur.append((n, v))
+            if n == "_filter_kernel":
+                calls.append(cur)
+                cur = []
+        print(f"\nB={B} Hq/Hkv={Hq}/{Hkv} S={S}: SDPA reads {sdpa / 1e6:.1f} MB (K+V = {2 * kv / 1e6:.1f} MB)")
+        print("| call | V rows read | scores kernel MB | filter kernel MB | total MB | count K + rows*V + scores MB | total / count | total / SDPA |")
+        print("|---|---|---|---|---|---|---|---|")
+        labels = [f"sift s={i['sparsity']}" for i in r["info"]] + ["warmup"]
+        vrows = [i["v_rows_read"] for i in r["info"]] + [1.0]
+        for lab, vr, c in zip(labels, vrows, calls):
+            tot = sum(v for _, v in c)
+            sc = sum(v for n, v in c if n == "_scores_kernel")
+            fi = sum(v for n, v in c if n == "_filter_kernel")
+            count = kv + vr * kv + scores * (2 if lab == "warmup" else 1)
+            print(f"| {lab} | {vr:.3f} | {sc / 1e6:.1f} | {fi / 1e6:.1f} | {tot / 1e6:.1f} | {count / 1e6:.1f} | "
+                  f"{tot / count:.3f} | {tot / sdpa:.3f} |")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None, help="write JSON results here")
@@ -470,7 +507,10 @@ def main():
     ap.add_argument("--ncu", action="store_true")
     ap.add_argument("--cpu-profile", action="store_true", help="host-side launch overhead per call")
     ap.add_argument("--ncu-child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--render", nargs="+", metavar="JSON", help="print markdown tables from result files")
     args = ap.parse_args()
+    if args.render:
+        return render(args.render)
 
     if args.ncu_child:
         return run_ncu_child(args)
