@@ -16,9 +16,13 @@ One query token per sequence, memory bound. The pipeline, per call:
    ``M + log2(eta) + log2(L)``, compacts the positions of the rows that some head of
    the group keeps and gathers only those V rows (or streams with masked V loads
    when nothing is filtered). Partial outputs are already divided by ``L``, so
-   splits add up.
-4. ``_combine_kernel``: sums the split partials, renormalises if asked, writes the
-   output in the input dtype and the kept counts.
+   splits add up: the last split program of each (batch, KV head) sums them,
+   renormalises if asked and writes the output and the kept counts.
+   (``_combine_kernel`` does that step as a separate launch when
+   ``KernelConfig.fused_combine`` is off.)
+
+Bytes moved at realized sparsity s: K + (rows some head of the group keeps) x V +
+8 bytes of scores per key and query head (see benchmarks/NOTES_kernels.md).
 
 No step reads a tensor value on the host, so the whole call can be captured in a
 CUDA graph and eta can be computed on the device.
@@ -40,7 +44,7 @@ _INT_MAX = tl.constexpr(2147483647)
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """Launch parameters. ``None`` fields are filled by :func:`default_config`."""
+    """Launch parameters; the defaults were tuned on an H100 (benchmarks/NOTES_kernels.md)."""
 
     block_n1: int = 128  # keys per iteration in the scores pass
     warps1: int = 4
@@ -547,10 +551,6 @@ def quantile_pass(st: dict, tau: torch.Tensor, seq_lens, cfg: KernelConfig) -> t
         HAS_SEQ_LENS=has_sl, STAGES=cfg.quantile_stages, num_warps=cfg.quantile_warps,
     )
     return theta
-
-
-def pt_dummy(st: dict) -> torch.Tensor:
-    return st["ast"]  # placeholder pointer for an unused int32 buffer
 
 
 def filter_pass(
