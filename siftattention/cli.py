@@ -64,6 +64,8 @@ def run_ppl(
 
     methods = _parse_methods(specs)  # fail on a bad spec before any slow work
     corpus = load_corpus(dataset, data_file)
+    if not corpus.text.strip():  # before the model load, like a bad spec
+        raise ValueError(f"the corpus is empty ({corpus.source})")
     model, tokenizer = loaded or _load(model_name)
     windows = token_windows(corpus.text, tokenizer, seq_len, num_seqs)
     console.print(f"data: {dataset} from {corpus.source}: {num_seqs} windows x {seq_len} tokens")

@@ -28,6 +28,9 @@ def run_cli(args, capsys):
         (["ppl", "--method", "full", "--dataset", "nope"], "unknown dataset 'nope'"),
         (["ppl", "--method", "full", "--data-file", "/nonexistent/corpus.txt"], "data file not found: /nonexistent/corpus.txt"),
         (["generate", "--method", "sift:tau=x"], "tau='x' is not a number"),
+        # `sift analyze` through the same entry point (its own checks run before any model load).
+        (["analyze", "--taus", "0.5,1.5"], "tau must be in (0, 1), got 1.5"),
+        (["analyze", "--seq-len", "256", "--warmups", "64,512"], "warmup 512 is longer than the sequence length 256"),
     ],
 )
 def test_bad_input_is_one_line_on_stderr_with_nonzero_exit(args, message, capsys):
@@ -35,6 +38,21 @@ def test_bad_input_is_one_line_on_stderr_with_nonzero_exit(args, message, capsys
     assert code == 2
     assert message in err
     assert err.strip().count("\n") == 0 and "Traceback" not in err
+
+
+def test_ppl_help_documents_the_spec_grammar(capsys):
+    main(["ppl", "--help"])  # standalone_mode=False: help returns instead of exiting
+    out = capsys.readouterr().out
+    assert "NAME[:KEY=VALUE[,KEY=VALUE...]]" in out
+    for name in ("full", "topk:k=", "h2o:k=", "sift:tau=", "oracle:tau="):
+        assert name in out
+
+
+def test_empty_corpus_fails_before_the_model_loads(capsys, tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n  \n")
+    code, out, err = run_cli(["ppl", "--model", "no-such-org/no-such-model", "--data-file", str(empty), "--method", "full"], capsys)
+    assert code == 2 and err.strip() == f"sift: error: the corpus is empty (file:{empty})"
 
 
 def test_unknown_model_names_the_model(capsys, tmp_path):
@@ -67,13 +85,18 @@ def test_ppl_end_to_end_on_the_embedded_model(tmp_path, capsys, embedded):
     assert result["data_source"] in printed.replace("\n", "")
     rows = {r["method"]: r for r in result["results"]}
     assert list(rows) == specs
+    row_keys = {"method", "ppl", "ppl_post_warmup", "realized_sparsity", "realized_sparsity_post_warmup", "tokens"}
+    assert all(set(r) >= row_keys for r in rows.values())
     # Independent reference: transformers' own attention on the same windows.
     model, tokenizer = embedded
     windows = token_windows(load_corpus(result["dataset"]).text, tokenizer, 96, 2)
     with torch.no_grad():
         logits = model(windows).logits[:, :-1]
-    nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), windows[:, 1:].reshape(-1))
-    assert rows["full"]["ppl"] == pytest.approx(math.exp(nll.item()), rel=1e-4)
+    flat = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), windows[:, 1:].reshape(-1), reduction="none")
+    nll = flat.double().view(2, 95)
+    assert rows["full"]["ppl"] == pytest.approx(math.exp(nll.mean().item()), rel=1e-4)
+    # Post-warmup: the tokens predicted by rows S > 32, i.e. NLL entries 32.. of each window.
+    assert rows["full"]["ppl_post_warmup"] == pytest.approx(math.exp(nll[:, 32:].mean().item()), rel=1e-4)
     assert rows["full"]["realized_sparsity"] == 0.0 and rows["full"]["tokens"] == 2 * 95
     steps = torch.arange(1, 97, dtype=torch.float64)
     assert rows["topk:k=0.5"]["realized_sparsity"] == pytest.approx((1 - torch.ceil(0.5 * steps) / steps).mean().item())

@@ -137,10 +137,11 @@ def test_generate_with_left_padding_matches_each_prompt_alone():
     short, long = torch.randint(3, 95, (1, 7)), torch.randint(3, 95, (1, 13))
     method = Sift(tau=0.6, warmup=4)
     gen = dict(max_new_tokens=14, do_sample=False, pad_token_id=0, eos_token_id=None)
-    alone = []
+    alone, alone_fit = [], []
     with apply(model, method) as handle:
         for ids in (short, long):
             alone.append(model.generate(ids, attention_mask=torch.ones_like(ids), **gen)[0, ids.shape[1] :])
+            alone_fit.append((handle.stats.thetas[:, 0].clone(), handle.stats.alpha[:, 0].clone(), handle.stats.beta[:, 0].clone()))
         alone_sparsity = handle.stats.realized_sparsity(post_warmup=True)
         batch = torch.zeros(2, 13, dtype=torch.long)
         mask = torch.zeros(2, 13, dtype=torch.long)
@@ -149,6 +150,13 @@ def test_generate_with_left_padding_matches_each_prompt_alone():
         out = model.generate(batch, attention_mask=mask, **gen)[:, 13:]
         assert handle.stats.step_count() == 2 * (14 - 1)  # decode steps only, padding excluded
         assert handle.stats.realized_sparsity(post_warmup=True) > 0.2
+        # Steps count real positions only (P = 7 and 13), and each sequence's warmup
+        # quantiles and fit equal its solo run's: padded keys never enter a quantile.
+        assert handle.stats.state(0).theta_steps.tolist() == [[8.0, 9.0, 10.0, 11.0], [14.0, 15.0, 16.0, 17.0]]
+        for b in range(2):
+            torch.testing.assert_close(handle.stats.thetas[:, b], alone_fit[b][0], rtol=1e-5, atol=1e-7)
+            torch.testing.assert_close(handle.stats.alpha[:, b], alone_fit[b][1], rtol=1e-4, atol=1e-6)
+            torch.testing.assert_close(handle.stats.beta[:, b], alone_fit[b][2], rtol=1e-4, atol=1e-6)
     assert torch.equal(out[0], alone[0]) and torch.equal(out[1], alone[1])
     assert alone_sparsity > 0.2
 

@@ -25,6 +25,8 @@ def test_unknown_model_and_file_paths_raise_clear_errors(tmp_path):
     f.write_bytes(b"0")
     with pytest.raises(ModelNotFoundError, match="is a file"):
         load_model(str(f))
+    with pytest.raises(ModelNotFoundError, match="directory without a config.json"):
+        load_model(str(tmp_path))
     assert "smollm2-135m" in EMBEDDED
 
 
@@ -33,6 +35,12 @@ def test_embedded_model_is_smollm2(embedded):
     cfg = model.config
     assert (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (30, 9, 3, 64)
     assert tokenizer.decode(tokenizer("SiftAttention")["input_ids"]) == "SiftAttention"
+    import gguf
+    from gguf.gguf_reader import GGUFReader
+    from gguf.tensor_mapping import get_tensor_name_map
+
+    # load_model shares one GGUF parse per load; gguf's own names are restored afterwards.
+    assert gguf.GGUFReader is GGUFReader and gguf.get_tensor_name_map is get_tensor_name_map
 
 
 def test_corpora_and_windows(tmp_path, embedded):
