@@ -6,6 +6,7 @@ One command on a CUDA machine, from the repository root:
     PYTHONPATH=. python3 benchmarks/bench_decode.py --quick --out q.json          # target settings
     PYTHONPATH=. python3 benchmarks/bench_decode.py --check                       # GPU correctness suite
     PYTHONPATH=. python3 benchmarks/bench_decode.py --tune                        # per-pass config sweep
+    PYTHONPATH=. python3 benchmarks/bench_decode.py --tune-grid --graph           # whole-step KernelConfig grid
     PYTHONPATH=. python3 benchmarks/bench_decode.py --ncu --batch 8 --seq 32768   # DRAM bytes (Nsight Compute)
 
 Inputs are random but peaky (logit std ``--logit-std``, default 3): flat random
@@ -198,13 +199,16 @@ def run_check(args):
             for renorm in (False, True):
                 out, kept = sift_decode(q, k, v, eta, seq_lens=sl, renormalize=renorm, backend="triton")
                 out_t, kept_t = sift_decode(q, k, v, eta, seq_lens=sl, renormalize=renorm, backend="torch")
+                # the other launch mode (with / without programmatic dependent launch)
+                other = td.KernelConfig(pdl=not td.KernelConfig().pdl)
+                out_o, kept_o = td.sift_decode_triton(q, k, v, eta.float(), D**-0.5, None if sl is None else sl.int(), renorm, other)
                 errs = []
                 for b in range(B):
                     n = S if sl is None else int(sl[b])
                     r = ref_out64(q[b : b + 1], k[b : b + 1, :, :n], v[b : b + 1, :, :n], eta[b : b + 1], 0, renorm)
-                    errs.append(rel_err(out[b], r))
+                    errs.append(max(rel_err(out[b], r), rel_err(out_o[b], r)))
                 err = max(errs)
-                kept_ok = bool((kept == kept_ref).all()) and bool((kept_t == kept_ref).all())
+                kept_ok = all(bool((x == kept_ref).all()) for x in (kept, kept_t, kept_o))
                 tol = 2e-5 if dt == torch.float32 else 1e-2
                 ok = err < tol and kept_ok and bool(torch.isfinite(out).all())
                 fails += not ok
@@ -276,6 +280,92 @@ def run_tune(args):
         del sets, sts, stq
         torch.cuda.empty_cache()
     return results
+
+
+# Default --tune-grid configs (KernelConfig overrides), each checked, then timed beside SDPA.
+TUNE_GRID = [
+    dict(pdl=False),  # the filter kernel launched after the scores kernel ends
+    {},
+    dict(min_split2=2048),
+    dict(min_split2=1024),
+    dict(block_n2=64),
+]
+
+
+def kernel_resources() -> list:
+    """Registers, spills and shared memory of every compiled decode kernel (Triton's caches)."""
+    res = []
+    for name in ("_scores_kernel", "_filter_kernel", "_quantile_kernel"):
+        try:
+            for dev_cache in getattr(td, name).device_caches.values():
+                for k in dev_cache[0].values():
+                    res.append(dict(kernel=name, regs=k.n_regs, spills=k.n_spills, smem=k.metadata.shared,
+                                    warps=k.metadata.num_warps, stages=k.metadata.num_stages))
+        except Exception as e:  # noqa: BLE001 - Triton's cache layout differs between versions
+            res.append(dict(kernel=name, error=repr(e)[:200]))
+    return res
+
+
+def run_tune_grid(args):
+    """sift_decode over a grid of KernelConfigs, each checked against float64, then timed beside SDPA."""
+    gen = torch.Generator(device=DEV).manual_seed(6)
+    rows = []
+    grid = [json.loads(g) for g in args.grid] if args.grid else TUNE_GRID
+    shapes = [(B, Hq, Hkv, S) for (Hq, Hkv) in (args.heads or [(32, 32), (32, 8)]) for B in (args.batch or [8]) for S in (args.seq or [8192, 32768])]
+    for (B, Hq, Hkv, S) in shapes:
+        D, dt = 128, torch.float16
+        sets = [make_inputs(B, Hq, Hkv, S, D, dt, args.logit_std, args.group_corr, gen) for _ in range(args.sets)]
+        t_sdpa = bench(sdpa_decode, sets)
+        t_sdpa_g = bench_graph(sdpa_decode, sets) if args.graph else float("nan")
+        sps = args.sparsity if args.sparsity != [0.0, 0.5, 0.75, 0.875, 0.95] else [0.0, 0.875, 0.95]
+        ths = [thresholds(q, k, sps) for (q, k, v) in sets]
+        base = td.KernelConfig()
+        for kw in grid:
+            cfg = td.KernelConfig(**{**base.__dict__, **kw})
+            for j, sp in enumerate(sps):
+                etas = [t[j][0] for t in ths]
+                q, k, v = sets[0]
+                try:
+                    out, kept = td.sift_decode_triton(q, k, v, etas[0], D**-0.5, None, False, cfg)
+                    err = max(rel_err(out[b], ref_out64(q, k, v, etas[0], b)) for b in range(B))
+                    ok = bool(torch.equal(kept, ths[0][j][1])) and err < 1e-2
+                    fn = lambda q, k, v, e: td.sift_decode_triton(q, k, v, e, D**-0.5, None, False, cfg)  # noqa: E731
+                    fsets = [s + (e,) for s, e in zip(sets, etas)]
+                    t = bench(fn, fsets)
+                    tg = bench_graph(fn, fsets) if args.graph else float("nan")
+                    host = host_us(fn, fsets[0]) if args.graph else float("nan")
+                except Exception as e:  # noqa: BLE001 - report configs that fail to compile
+                    print("fail", kw, repr(e)[:300], flush=True)
+                    ok, err, t, tg, host = False, float("nan"), float("nan"), float("nan"), float("nan")
+                rows.append(dict(B=B, Hq=Hq, Hkv=Hkv, S=S, sparsity=sp, cfg=kw, ok=ok, err=err, ms=t, sdpa_ms=t_sdpa, ratio=t / t_sdpa,
+                                 graph_ms=tg, sdpa_graph_ms=t_sdpa_g, graph_ratio=tg / t_sdpa_g, host_us=host))
+                print(f"grid B={B} H={Hq}/{Hkv} S={S} s={sp} {json.dumps(kw):40s} ok={ok} err={err:.1e} "
+                      f"{t:.4f} ms  sdpa {t_sdpa:.4f}  ratio {t / t_sdpa:.3f} graphs {tg / t_sdpa_g:.3f} host {host:.0f} us", flush=True)
+        del sets
+        torch.cuda.empty_cache()
+    for r in kernel_resources():
+        print("resources", json.dumps(r))
+    print("\n| B | Hq/Hkv | S | sparsity | " + " | ".join(json.dumps(g) for g in grid) + " |")
+    keys = sorted({(r["B"], r["Hq"], r["Hkv"], r["S"], r["sparsity"]) for r in rows}, key=lambda x: (x[2], x[3], x[4]))
+    for key in keys:
+        cells = [r for r in rows if (r["B"], r["Hq"], r["Hkv"], r["S"], r["sparsity"]) == key]
+        print(f"| {key[0]} | {key[1]}/{key[2]} | {key[3]} | {key[4]} | " + " | ".join(
+            f"{c['ratio']:.3f}{'' if c['ok'] else '!'}" + (f" g{c['graph_ratio']:.3f} h{c['host_us']:.0f}" if args.graph else "")
+            for c in cells) + " |")
+    return rows
+
+
+def host_us(fn, args, n=200):
+    """Host time per call: n calls without a sync (the launch queue is deeper than n)."""
+    for _ in range(5):
+        fn(*args)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn(*args)
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / n * 1e6
 
 
 def sweep_configs(args):
@@ -504,6 +594,8 @@ def main():
     ap.add_argument("--graph", action="store_true", help="also time SDPA and sift as CUDA-graph replays")
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--tune", action="store_true")
+    ap.add_argument("--tune-grid", action="store_true", help="whole decode step over KernelConfig overrides vs SDPA")
+    ap.add_argument("--grid", nargs="*", help="--tune-grid configs as JSON KernelConfig overrides")
     ap.add_argument("--ncu", action="store_true")
     ap.add_argument("--cpu-profile", action="store_true", help="host-side launch overhead per call")
     ap.add_argument("--ncu-child", action="store_true", help=argparse.SUPPRESS)
@@ -527,11 +619,13 @@ def main():
         out["check"], fails = run_check(args)
     if args.tune:
         out["tune"] = run_tune(args)
+    if args.tune_grid:
+        out["tune_grid"] = run_tune_grid(args)
     if args.ncu:
         out["ncu"] = run_ncu(args)
     if args.cpu_profile:
         out["cpu_profile"] = run_cpu_profile(args)
-    if not (args.check or args.tune or args.ncu or args.cpu_profile):
+    if not (args.check or args.tune or args.tune_grid or args.ncu or args.cpu_profile):
         out["sweep"] = run_sweep(args)
     if args.out:
         with open(args.out, "w") as f:
