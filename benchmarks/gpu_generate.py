@@ -72,6 +72,7 @@ def main() -> None:
     ap.add_argument("--tau", type=float, default=0.875)
     ap.add_argument("--warmup", type=int, default=16)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--profile", action="store_true", help="cProfile one generate() per path (host time by function)")
     args = ap.parse_args()
     report: dict = {"device": torch.cuda.get_device_name(), "args": vars(args), "torch": torch.__version__}
 
@@ -105,6 +106,20 @@ def main() -> None:
         per_token = (elapsed - prefill_only) / (args.new - 1)
         rows.append({"path": name, "seconds": elapsed, "prefill_s": prefill_only, "ms_per_token": 1000 * per_token, **stats})
     report["timing_bf16"] = rows
+    if args.profile:
+        import cProfile
+        import io
+        import pstats
+
+        for name, meth, backend in [("sift kernels", method, "triton"), ("sift reference", method, None)]:
+            prof = cProfile.Profile()
+            prof.enable()
+            timed_generate(model, ids, args.new, meth, backend)
+            prof.disable()
+            buf = io.StringIO()
+            pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
+            report[f"profile {name}"] = buf.getvalue()
+            print(f"\n===== cProfile: {name} (by tottime)\n" + "\n".join(buf.getvalue().splitlines()[:45]))
     print(f"\ngenerate() B={args.batch} prompt={args.prompt} new={args.new} shape={args.shape} on {report['device']}")
     print(f"{'path':16s} {'prefill s':>9s} {'decode ms/token':>15s} {'sparsity':>9s}")
     for r in rows:
