@@ -73,9 +73,13 @@ def test_console_entry_point_exits_cleanly_on_bad_spec():
 def test_ppl_end_to_end_on_the_embedded_model(tmp_path, capsys, embedded):
     from siftattention.data import load_corpus, token_windows
 
+    from siftattention.data import find_shared_file
+
     out = tmp_path / "run"
     specs = ["full", "topk:k=0.5", "sift:tau=0.5,warmup=32", "sift:tau=0.75,warmup=32"]
-    args = ["ppl", "--seq-len", "96", "--num-seqs", "2", "--out", str(out)]
+    # WikiText-2 where ../shared/data is beside the checkout, else the offline Wikipedia text.
+    dataset = "wikitext2" if find_shared_file("wikitext-2-raw/wiki.test.raw") else "wiki"
+    args = ["ppl", "--dataset", dataset, "--seq-len", "96", "--num-seqs", "2", "--out", str(out)]
     for spec in specs:
         args += ["--method", spec]
     main(args)
