@@ -177,6 +177,7 @@ def bytes_dense(B, Hkv, S, D, esize):
 
 def run_check(args):
     """Correctness of the Triton path on odd shapes vs float64 (and the torch backend)."""
+    other = td.KernelConfig(pdl=not td.KernelConfig().pdl)  # the other launch mode, checked too
     gen = torch.Generator(device=DEV).manual_seed(1)
     rows, fails = [], 0
     cases = [
@@ -199,8 +200,6 @@ def run_check(args):
             for renorm in (False, True):
                 out, kept = sift_decode(q, k, v, eta, seq_lens=sl, renormalize=renorm, backend="triton")
                 out_t, kept_t = sift_decode(q, k, v, eta, seq_lens=sl, renormalize=renorm, backend="torch")
-                # the other launch mode (with / without programmatic dependent launch)
-                other = td.KernelConfig(pdl=not td.KernelConfig().pdl)
                 out_o, kept_o = td.sift_decode_triton(q, k, v, eta.float(), D**-0.5, None if sl is None else sl.int(), renorm, other)
                 errs = []
                 for b in range(B):
@@ -317,7 +316,7 @@ def run_tune_grid(args):
         sets = [make_inputs(B, Hq, Hkv, S, D, dt, args.logit_std, args.group_corr, gen) for _ in range(args.sets)]
         t_sdpa = bench(sdpa_decode, sets)
         t_sdpa_g = bench_graph(sdpa_decode, sets) if args.graph else float("nan")
-        sps = args.sparsity if args.sparsity != [0.0, 0.5, 0.75, 0.875, 0.95] else [0.0, 0.875, 0.95]
+        sps = args.sparsity or [0.0, 0.875, 0.95]
         ths = [thresholds(q, k, sps) for (q, k, v) in sets]
         base = td.KernelConfig()
         for kw in grid:
@@ -587,7 +586,7 @@ def main():
     ap.add_argument("--seq", type=int, nargs="*")
     ap.add_argument("--heads", type=lambda s: tuple(map(int, s.split(","))), nargs="*", help="e.g. 32,32 32,8")
     ap.add_argument("--dtype", nargs="*", choices=list(DTYPES))
-    ap.add_argument("--sparsity", type=float, nargs="*", default=[0.0, 0.5, 0.75, 0.875, 0.95])
+    ap.add_argument("--sparsity", type=float, nargs="*", help="default 0 0.5 0.75 0.875 0.95 (--tune-grid: 0 0.875 0.95)")
     ap.add_argument("--sets", type=int, default=3, help="rotating input sets")
     ap.add_argument("--logit-std", type=float, default=3.0)
     ap.add_argument("--group-corr", type=float, default=0.0, help="correlation of q across a GQA group")
@@ -601,6 +600,8 @@ def main():
     ap.add_argument("--ncu-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--render", nargs="+", metavar="JSON", help="print markdown tables from result files")
     args = ap.parse_args()
+    if not args.tune_grid:
+        args.sparsity = args.sparsity or [0.0, 0.5, 0.75, 0.875, 0.95]
     if args.render:
         return render(args.render)
 

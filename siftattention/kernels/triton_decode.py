@@ -85,16 +85,18 @@ class KernelConfig:
     pdl: bool = True
 
 
-_SM_COUNT: dict[int, int] = {}
+_DEVICES: dict[int, tuple[int, bool]] = {}
 
 
-def _num_sms(device: torch.device) -> int:
+def _device_info(device: torch.device) -> tuple[int, bool]:
+    """(SM count, Hopper or newer) of a device, read once."""
     if device.type != "cuda":
-        return 4  # interpreter: a few splits so tests exercise the combine step
+        return 4, False  # interpreter: a few splits so tests exercise the combine step
     idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SM_COUNT:
-        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SM_COUNT[idx]
+    if idx not in _DEVICES:
+        props = torch.cuda.get_device_properties(idx)
+        _DEVICES[idx] = (props.multi_processor_count, props.major >= 9)
+    return _DEVICES[idx]
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -124,7 +126,9 @@ def _split(
 
 
 @functools.lru_cache(maxsize=256)
-def _plan(B: int, Hq: int, Hkv: int, S: int, D: int, dtype: torch.dtype, sms: int, interp: bool, cfg: KernelConfig) -> dict:
+def _plan(
+    B: int, Hq: int, Hkv: int, S: int, D: int, dtype: torch.dtype, sms: int, hopper: bool, interp: bool, cfg: KernelConfig
+) -> dict:
     """Launch geometry for one problem shape, computed once (host time matters at decode)."""
     G = Hq // Hkv
     split1, ns1 = _split(S, B * Hkv, cfg.block_n1, cfg.programs1, sms, cfg.min_split1, cfg.fill)
@@ -137,6 +141,7 @@ def _plan(B: int, Hq: int, Hkv: int, S: int, D: int, dtype: torch.dtype, sms: in
         prec="ieee" if dtype == torch.float32 else "tf32",
         upcast=dtype == torch.bfloat16 and interp,
         split1=split1, ns1=ns1, BLOCK_S1=_pow2(ns1), split2=split2, ns2=ns2, BLOCK_S2=_pow2(ns2),
+        pdl=cfg.pdl and _HAS_PDL and hopper,
     )
 
 
@@ -224,7 +229,6 @@ def _scores_kernel(
     if PDL:
         tl.debug_barrier()  # every thread's scores and stats precede the release below
         tl.atomic_add(Arrive + bh, 1, sem="release", scope="gpu")
-
 
 
 @triton.jit
@@ -426,7 +430,6 @@ def _filter_kernel(
                 tl.store(Kept + row, kept, mask=g_mask)
 
 
-
 @triton.jit
 def _combine_kernel(
     Part, Cnt, Mass, Out, Kept,
@@ -548,19 +551,7 @@ def _quantile_kernel(
 def _meta(q: torch.Tensor, k_cache: torch.Tensor, cfg: KernelConfig) -> dict:
     B, Hq, D = q.shape
     interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
-    return _plan(B, Hq, k_cache.shape[1], k_cache.shape[2], D, q.dtype, _num_sms(q.device), interp, cfg)
-
-
-_PDL_OK: dict[int, bool] = {}
-
-
-def _use_pdl(q: torch.Tensor, cfg: KernelConfig) -> bool:
-    if not (cfg.pdl and _HAS_PDL and q.is_cuda):
-        return False
-    idx = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    if idx not in _PDL_OK:
-        _PDL_OK[idx] = torch.cuda.get_device_capability(idx)[0] >= 9
-    return _PDL_OK[idx]
+    return _plan(B, Hq, k_cache.shape[1], k_cache.shape[2], D, q.dtype, *_device_info(q.device), interp, cfg)
 
 
 def scores_pass(q, k_cache, scale, seq_lens, cfg: KernelConfig) -> dict:
@@ -578,11 +569,12 @@ def scores_pass(q, k_cache, scale, seq_lens, cfg: KernelConfig) -> dict:
         # Counters (combine, row arrivals), zeroed before pass 1: a memset between the two
         # kernels would break the PDL chain.
         sync=torch.zeros(2, B * Hkv, device=dev, dtype=torch.int32),
-        pdl=_use_pdl(q, cfg),
+        pdl=mt["pdl"],
     )
+    st["sem"], st["arrive"] = st["sync"]
     has_sl = seq_lens is not None
     _scores_kernel[(ns1, B * Hkv)](
-        q, k_cache, st["scores"], st["mst"], st["lst"], st["ast"], seq_lens if has_sl else q, st["sync"][1],
+        q, k_cache, st["scores"], st["mst"], st["lst"], st["ast"], seq_lens if has_sl else q, st["arrive"],
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
         scale * LOG2E, S, split1, ns1,
@@ -623,7 +615,6 @@ def filter_pass(
         part=torch.empty(B, Hq, ns2, mt["BLOCK_D"], device=dev, dtype=torch.float32),
         cnt=torch.empty(B, Hq, ns2, device=dev, dtype=torch.int32),
         mass=torch.empty(B, Hq, ns2, device=dev, dtype=torch.float32),
-        sem=st["sync"][0],
         out=torch.empty(B, Hq, D, device=dev, dtype=out_dtype) if fused else None,
         kept=torch.empty(B, Hq, device=dev, dtype=torch.int32) if fused and want_kept else None,
     )
@@ -631,7 +622,7 @@ def filter_pass(
     has_sl = seq_lens is not None
     _filter_kernel[(ns2, B * Hkv)](
         v_cache, st["scores"], st["mst"], st["lst"], st["ast"], eta if eta is not None else st["mst"],
-        seq_lens if has_sl else st["mst"], pt["idx"], pt["part"], pt["cnt"], pt["mass"], pt["sem"], st["sync"][1],
+        seq_lens if has_sl else st["mst"], pt["idx"], pt["part"], pt["cnt"], pt["mass"], st["sem"], st["arrive"],
         out, pt["kept"] if pt["kept"] is not None else pt["cnt"],
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
         out.stride(0), out.stride(1), out.stride(2),
