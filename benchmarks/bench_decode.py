@@ -162,7 +162,7 @@ def bench_graph(fn, sets):
             fn(*args)
         torch.cuda.current_stream().wait_stream(side)
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
+        with torch.cuda.graph(g, stream=side):  # the warm-up stream: per-stream buffers exist already
             fn(*args)
         graphs.append(g)
     return bench(lambda g: g.replay(), [(g,) for g in graphs])
@@ -177,7 +177,8 @@ def bytes_dense(B, Hkv, S, D, esize):
 
 def run_check(args):
     """Correctness of the Triton path on odd shapes vs float64 (and the torch backend)."""
-    other = td.KernelConfig(pdl=not td.KernelConfig().pdl)  # the other launch mode, checked too
+    base = td._DEFAULT
+    other = td.KernelConfig(**{**base.__dict__, "pdl": not base.pdl})  # the other launch mode, checked too
     gen = torch.Generator(device=DEV).manual_seed(1)
     rows, fails = [], 0
     cases = [
@@ -241,8 +242,8 @@ def run_tune(args):
         sets = [make_inputs(B, Hq, Hkv, S, D, dt, 3.0, 0.0, gen) for _ in range(args.sets)]
         etas = {sp: [thresholds(q, k, [sp])[0][0] for (q, k, v) in sets] for sp in (0.0, 0.875, 0.95)}
         scale = D**-0.5
-        base = td.KernelConfig()
-        g1 = [{}]
+        base = td._DEFAULT
+        g1 = [json.loads(g) for g in args.grid] if args.grid else [{}]
         for kw in g1:
             cfg = td.KernelConfig(**{**base.__dict__, **kw})
             try:
@@ -253,6 +254,10 @@ def run_tune(args):
             gbs = B * Hkv * S * D * 2 / t / 1e6
             results.append(dict(shape=[B, Hq, Hkv, S], pass_=1, cfg=kw, ms=t, k_tbps=gbs / 1e3))
             print(f"pass1 {B},{Hq},{Hkv},{S} {kw} {t:.4f} ms  K at {gbs/1e3:.2f} TB/s", flush=True)
+        if args.tune_pass1:
+            del sets
+            torch.cuda.empty_cache()
+            continue
         sts = [td.scores_pass(q, k, scale, None, base) for (q, k, v) in sets]
         g2 = [{}, dict(fused_combine=False), dict(min_split2=2048), dict(min_split2=8192), dict(programs2=4), dict(programs2=16)]
         for sp in (0.0, 0.875, 0.95):
@@ -318,7 +323,7 @@ def run_tune_grid(args):
         t_sdpa_g = bench_graph(sdpa_decode, sets) if args.graph else float("nan")
         sps = args.sparsity or [0.0, 0.875, 0.95]
         ths = [thresholds(q, k, sps) for (q, k, v) in sets]
-        base = td.KernelConfig()
+        base = td._DEFAULT
         for kw in grid:
             cfg = td.KernelConfig(**{**base.__dict__, **kw})
             for j, sp in enumerate(sps):
@@ -398,7 +403,9 @@ def run_sweep(args):
             w_err = max(w_err, rel_err(out[b], torch.matmul(p.reshape(Hkv, Hq // Hkv, S), v[b].double()).reshape(Hq, D)))
         assert w_err < 1e-2 and th_err < 1e-4, (w_err, th_err)
         taus = torch.full((B, Hq), 0.875, device=DEV)
-        t_warm = bench(lambda q, k, v: sift_warmup_decode(q, k, v, taus, backend="triton"), sets)
+        warm_fn = lambda q, k, v: sift_warmup_decode(q, k, v, taus, backend="triton")  # noqa: E731
+        t_warm = bench(warm_fn, sets)
+        t_warm_g = bench_graph(warm_fn, sets) if args.graph else float("nan")
         ths = [thresholds(q, k, args.sparsity) for (q, k, v) in sets]
         for j, sp in enumerate(args.sparsity):
             th = [t[j] for t in ths]
@@ -417,13 +424,17 @@ def run_sweep(args):
             t_sift = bench(sift_fn, sift_sets)
             t_sift_g = bench_graph(sift_fn, sift_sets) if args.graph else float("nan")
             kk = max(1, round((1 - sp) * S))
-            t_topk = bench(lambda q, k, v: topk_decode(q, k, v, kk), sets)
+            topk_fn = lambda q, k, v: topk_decode(q, k, v, kk)  # noqa: E731
+            t_topk = bench(topk_fn, sets)
+            t_topk_g = bench_graph(topk_fn, sets) if args.graph else float("nan")
             floor_bytes = dense / 2 * (1 + union) + B * Hq * S * 8
             row = dict(
                 B=B, Hq=Hq, Hkv=Hkv, S=S, D=D, dtype=dtn, sparsity=sp, realized=sum(realized) / len(realized),
                 v_rows_read=union, sdpa_ms=t_sdpa, sift_ms=t_sift, topk_ms=t_topk, warmup_ms=t_warm,
                 sift_vs_sdpa=t_sift / t_sdpa, topk_over_sift=t_topk / t_sift, warmup_vs_sdpa=t_warm / t_sdpa,
                 sdpa_graph_ms=t_sdpa_g, sift_graph_ms=t_sift_g, sift_vs_sdpa_graph=t_sift_g / t_sdpa_g,
+                topk_graph_ms=t_topk_g, topk_over_sift_graph=t_topk_g / t_sift_g,
+                warmup_graph_ms=t_warm_g, warmup_vs_sdpa_graph=t_warm_g / t_sdpa_g,
                 sdpa_tbps=dense / t_sdpa / 1e9, sift_tbps_of_count=floor_bytes / t_sift / 1e9,
                 byte_floor_vs_dense=floor_bytes / dense, out_rel_err=err, warmup_out_err=w_err, theta_rel_err=th_err,
             )
@@ -444,13 +455,16 @@ def run_sweep(args):
 
 
 def print_table(rows):
-    print("\n| B | Hq/Hkv | S | dtype | sparsity | V rows read | SDPA ms | sift ms | sift/SDPA | top-k ms | top-k/sift | warmup ms | warmup/SDPA | graphs: sift/SDPA |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    """Eager do_bench medians, then the same ratios over CUDA-graph replays (GPU time, no launch cost)."""
+    print("\n| B | Hq/Hkv | S | dtype | sparsity | V rows read | SDPA ms | sift ms | sift/SDPA | top-k ms | top-k/sift | warmup ms "
+          "| warmup/SDPA | graphs: SDPA ms | graphs: sift/SDPA | graphs: top-k/sift | graphs: warmup/SDPA |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
             f"| {r['B']} | {r['Hq']}/{r['Hkv']} | {r['S']} | {r['dtype']} | {r['realized']:.3f} | {r['v_rows_read']:.3f} | "
             f"{r['sdpa_ms']:.3f} | {r['sift_ms']:.3f} | {r['sift_vs_sdpa']:.2f} | {r['topk_ms']:.3f} | {r['topk_over_sift']:.1f} | "
-            f"{r['warmup_ms']:.3f} | {r['warmup_vs_sdpa']:.2f} | {r['sift_vs_sdpa_graph']:.2f} |"
+            f"{r['warmup_ms']:.3f} | {r['warmup_vs_sdpa']:.2f} | {r['sdpa_graph_ms']:.3f} | {r['sift_vs_sdpa_graph']:.2f} | "
+            f"{r.get('topk_over_sift_graph', float('nan')):.2f} | {r.get('warmup_vs_sdpa_graph', float('nan')):.2f} |"
         )
 
 
@@ -592,7 +606,9 @@ def main():
     ap.add_argument("--group-corr", type=float, default=0.0, help="correlation of q across a GQA group")
     ap.add_argument("--graph", action="store_true", help="also time SDPA and sift as CUDA-graph replays")
     ap.add_argument("--check", action="store_true")
+    ap.add_argument("--config", help='KernelConfig overrides for every mode as JSON, e.g. {"tma1": true}')
     ap.add_argument("--tune", action="store_true")
+    ap.add_argument("--tune-pass1", action="store_true", help="--tune: the scores pass only, configs from --grid")
     ap.add_argument("--tune-grid", action="store_true", help="whole decode step over KernelConfig overrides vs SDPA")
     ap.add_argument("--grid", nargs="*", help="--tune-grid configs as JSON KernelConfig overrides")
     ap.add_argument("--ncu", action="store_true")
@@ -600,6 +616,9 @@ def main():
     ap.add_argument("--ncu-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--render", nargs="+", metavar="JSON", help="print markdown tables from result files")
     args = ap.parse_args()
+    if args.config:
+        # Every mode (the sweep, --check, --ncu, --tune-grid's base) uses this KernelConfig.
+        td._DEFAULT = td.KernelConfig(**json.loads(args.config))
     if not args.tune_grid:
         args.sparsity = args.sparsity or [0.0, 0.5, 0.75, 0.875, 0.95]
     if args.render:

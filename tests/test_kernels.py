@@ -241,9 +241,10 @@ def test_validation_errors():
 
 # (B, Hq, Hkv, S, D, dtype, config overrides). Small blocks and splits so that odd
 # lengths cross tile, split and compaction boundaries.
-SMALL = dict(block_n1=16, block_n2=16, block_a=32, min_split1=16, min_split2=16, quantile_block=32)
+SMALL = dict(block_n1=16, block_n2=16, block_a=32, scan_elems=0, min_split1=16, min_split2=16, quantile_block=32)
 TRITON_CASES = [
     (2, 4, 4, 37, 64, "float32", {}),
+    (2, 4, 4, 45, 64, "float16", {"scan_elems": 64, "reuse_sync": False}),  # MHA scan rows of 64 keys
     (3, 8, 2, 53, 128, "float16", {}),
     (2, 8, 1, 41, 64, "bfloat16", {}),
     (2, 8, 1, 41, 64, "float16", {"compact": False}),
@@ -254,6 +255,8 @@ TRITON_CASES = [
 def _triton_worker() -> dict:
     """Runs in a subprocess with TRITON_INTERPRET=1; returns measured errors as JSON."""
     from siftattention.kernels.triton_decode import KernelConfig, sift_decode_triton, sift_warmup_decode_triton
+
+    from siftattention.kernels import triton_decode
 
     res: dict = {"decode": [], "warmup": [], "exact": []}
     gen = torch.Generator().manual_seed(21)
@@ -272,7 +275,7 @@ def _triton_worker() -> dict:
                 res["decode"].append(dict(case=i, mode=mode, renorm=renorm, dtype=dt, err=rel(out, ref),
                                           kept_equal=bool(torch.equal(kept.cpu(), ref_kept)),
                                           out_dtype=str(out.dtype)))
-        if i < 3:  # warmup quantile on the same shapes
+        if i < 4:  # warmup quantile on the same shapes
             for tau in (0.25, 0.9):
                 tau_t = torch.full((B, Hq), tau, dtype=torch.float64)
                 out, theta = sift_warmup_decode_triton(q, k, v, tau_t, scale, sl.int(), cfg)
@@ -285,6 +288,25 @@ def _triton_worker() -> dict:
         tau_t = torch.full(q.shape[:2], tau, dtype=torch.float64)
         _, theta = sift_warmup_decode_triton(q, k, v, tau_t, 0.125, sl.int(), KernelConfig(**SMALL))
         res["exact"].append(dict(tau=tau, ulps=ulps(theta, ref_theta(q, k, 0.125, sl, tau))))
+    # The reused counters are back at zero after every call.
+    res["sync_buffers"] = len(triton_decode._SYNC)
+    res["sync_nonzero"] = sum(int(b.count_nonzero()) for b in triton_decode._SYNC.values())
+    # A filter pass that fails to launch leaves them zeroed too (a scores pass on the GPU has
+    # advanced them by then: simulated here by dirtying the buffer).
+    q, k, v, sl = make_case(1, 4, 4, 20, 64, torch.float32, gen)
+    real = triton_decode.filter_pass
+
+    def failing(st, *a, **kw):
+        st["sync"].fill_(7)
+        raise RuntimeError("launch failed")
+
+    triton_decode.filter_pass = failing
+    try:
+        sift_decode_triton(q, k, v, torch.zeros(1, 4), 0.125, None, False, KernelConfig(**SMALL))
+    except RuntimeError:
+        pass
+    triton_decode.filter_pass = real
+    res["sync_nonzero_after_failure"] = sum(int(b.count_nonzero()) for b in triton_decode._SYNC.values())
     return res
 
 
@@ -313,9 +335,15 @@ def test_triton_decode_matches_float64(triton_results):
         assert r["out_dtype"] == "torch." + r["dtype"], r
 
 
+def test_triton_reused_counters_return_to_zero(triton_results):
+    assert triton_results["sync_buffers"] >= 2  # one per (device, stream, rows) shape seen
+    assert triton_results["sync_nonzero"] == 0
+    assert triton_results["sync_nonzero_after_failure"] == 0
+
+
 def test_triton_warmup_matches_float64(triton_results):
     rows = triton_results["warmup"]
-    assert len(rows) == 6
+    assert len(rows) == 8
     for r in rows:
         assert r["err"] < (1e-5 if r["dtype"] == "float32" else 1e-2), r
         # float32 scores of fp16/bf16 inputs vs float64 scores: p differs by ~1e-6 relative

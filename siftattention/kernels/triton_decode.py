@@ -25,6 +25,11 @@ One query token per sequence, memory bound. The pipeline, per call:
    scores programs release), so the V gathers of finished rows overlap the last K
    reads.
 
+K and V are loaded with an evict-first L2 policy and the scores stored evict-last, so the
+filter pass tends to find them in L2. The two counters per (batch, KV head) that order
+the passes (row arrivals, finished splits) live in one buffer per stream that the
+filter kernel zeroes again at the end, so a call launches no memset.
+
 Bytes moved at realized sparsity s: K + (rows some head of the group keeps) x V +
 8 bytes of scores per key and query head (see benchmarks/NOTES_kernels.md).
 
@@ -74,7 +79,9 @@ class KernelConfig:
     # for MHA; the elementwise path loads to registers without prefetch.
     use_dot: bool = True
     compact: bool = True  # filter pass: gather compacted kept rows (see _filter_kernel)
-    block_a: int = 1024  # keys per iteration of the compaction scan
+    block_a: int = 1024  # fewest keys per iteration of the compaction scan
+    scan_elems: int = 2048  # scan tile [G, keys] of at least this many elements (MHA: longer rows)
+    stages_a: int = 1  # software pipelining of the scan's score loads (1: none)
     dense_pct: int = 85  # stream instead of gather when more than this % of rows is kept
     fused_combine: bool = True  # last split program reduces (no separate combine launch)
     quantile_block: int = 4096
@@ -83,6 +90,12 @@ class KernelConfig:
     # Programmatic dependent launch (Hopper+): the filter kernel starts during the scores
     # kernel's tail and each of its programs waits for its own row only.
     pdl: bool = True
+    # L2 policy: K and V rows are read once (evict first); the float32 scores are read
+    # again by the filter pass (evict last), so they may still be in L2 then.
+    evict: bool = True
+    # Reuse one zeroed counter buffer per stream (the filter kernel zeroes it again)
+    # instead of a memset per call; needs fused_combine.
+    reuse_sync: bool = True
 
 
 _DEVICES: dict[int, tuple[int, bool]] = {}
@@ -137,11 +150,13 @@ def _plan(
         B=B, Hq=Hq, Hkv=Hkv, S=S, D=D, G=G, use_dot=cfg.use_dot,
         BLOCK_G=max(16, _pow2(G)) if cfg.use_dot else _pow2(G),
         BLOCK_GA=_pow2(G),
+        BLOCK_A=max(cfg.block_a, cfg.scan_elems // _pow2(G)),
         BLOCK_D=max(16, _pow2(D)),
         prec="ieee" if dtype == torch.float32 else "tf32",
         upcast=dtype == torch.bfloat16 and interp,
         split1=split1, ns1=ns1, BLOCK_S1=_pow2(ns1), split2=split2, ns2=ns2, BLOCK_S2=_pow2(ns2),
         pdl=cfg.pdl and _HAS_PDL and hopper,
+        reuse_sync=cfg.reuse_sync and cfg.fused_combine,
     )
 
 
@@ -166,7 +181,7 @@ def _scores_kernel(
     HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_SEQ_LENS: tl.constexpr, USE_DOT: tl.constexpr, DOT_PREC: tl.constexpr, DOT_UPCAST: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, EVICT: tl.constexpr,
 ):
     """Pass 1 over one split of one (batch, KV head): scores and split statistics."""
     if PDL:
@@ -207,6 +222,7 @@ def _scores_kernel(
         k = tl.load(
             k_base + offs[:, None].to(tl.int64) * stride_ks + offs_d[None, :] * stride_kd,
             mask=n_mask[:, None] & d_mask[None, :], other=0.0,
+            eviction_policy="evict_first" if EVICT else "",
         )
         if USE_DOT:
             s = _dot(q, tl.trans(k), DOT_PREC, DOT_UPCAST)
@@ -214,7 +230,8 @@ def _scores_kernel(
             s = tl.sum(q[:, None, :].to(tl.float32) * k[None, :, :].to(tl.float32), axis=2)
         # Scale after the fp32 dot: rounding a pre-scaled q to fp16 would cost accuracy.
         s = tl.where(n_mask[None, :], s * qk_scale, float("-inf"))
-        tl.store(s_base + offs[None, :], s, mask=g_mask[:, None] & n_mask[None, :])
+        tl.store(s_base + offs[None, :], s, mask=g_mask[:, None] & n_mask[None, :],
+                 eviction_policy="evict_last" if EVICT else "")
         m_blk = tl.max(s, axis=1)
         a_blk = tl.argmax(s, axis=1).to(tl.int32) + n0
         a_i = tl.where(m_blk > m_i, a_blk, a_i)  # strict: keeps the first argmax
@@ -272,11 +289,11 @@ def _narrow(x, offs_from, offs_to):
 
 
 @triton.jit
-def _accumulate(acc, mass, s, idx, jm, thr, amax, m, g_mask, v_ptrs, vmask, DOT_PREC, DOT_UPCAST, USE_DOT):
+def _accumulate(acc, mass, s, idx, jm, thr, amax, m, g_mask, v_ptrs, vmask, DOT_PREC, DOT_UPCAST, USE_DOT, EVICT):
     """Add the kept keys of one tile (scores s [G, N] at positions idx [N]) to acc / mass."""
     keep = ((s > thr[:, None]) | (idx[None, :] == amax[:, None])) & jm[None, :] & g_mask[:, None]
     w = tl.where(keep, tl.math.exp2(s - m[:, None]), 0.0)
-    v = tl.load(v_ptrs, mask=vmask, other=0.0)
+    v = tl.load(v_ptrs, mask=vmask, other=0.0, eviction_policy="evict_first" if EVICT else "")
     if USE_DOT:
         acc += _dot(w.to(v.dtype), v, DOT_PREC, DOT_UPCAST)
     else:
@@ -290,12 +307,12 @@ def _filter_kernel(
     stride_vb, stride_vh, stride_vs, stride_vd, stride_ob, stride_oh, stride_od,
     S_MAX, SPLIT_LEN, NUM_SPLITS1, NUM_SPLITS2,
     HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_GA: tl.constexpr,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_A: tl.constexpr,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_A: tl.constexpr, STAGES_A: tl.constexpr,
     BLOCK_S1: tl.constexpr,
     HAS_SEQ_LENS: tl.constexpr, USE_DOT: tl.constexpr, DOT_PREC: tl.constexpr, DOT_UPCAST: tl.constexpr,
     KEEP_ALL: tl.constexpr, COMPACT: tl.constexpr, DENSE_PCT: tl.constexpr,
-    FUSED_COMBINE: tl.constexpr, RENORMALIZE: tl.constexpr, WRITE_KEPT: tl.constexpr,
-    PDL: tl.constexpr,
+    FUSED_COMBINE: tl.constexpr, RESET_SYNC: tl.constexpr, RENORMALIZE: tl.constexpr, WRITE_KEPT: tl.constexpr,
+    PDL: tl.constexpr, EVICT: tl.constexpr,
 ):
     """Pass 2 over one split of one (batch, KV head).
 
@@ -362,7 +379,7 @@ def _filter_kernel(
             offs_a = tl.arange(0, BLOCK_A)
             cnt_a = tl.zeros([BLOCK_GA], tl.int32)
             n_kept = start * 0
-            for n0 in range(start, end, BLOCK_A):
+            for n0 in tl.range(start, end, BLOCK_A, num_stages=STAGES_A):
                 offs = n0 + offs_a
                 n_mask = offs < end
                 s = tl.load(sa_base + offs[None, :], mask=ga_mask[:, None] & n_mask[None, :], other=float("-inf"))
@@ -384,7 +401,7 @@ def _filter_kernel(
                     v_ptrs = v_base + idx[:, None].to(tl.int64) * stride_vs + offs_d[None, :] * stride_vd
                     acc, mass, _ = _accumulate(
                         acc, mass, s, idx, jm, thr, amax, m, g_mask, v_ptrs, jm[:, None] & d_mask[None, :],
-                        DOT_PREC, DOT_UPCAST, USE_DOT,
+                        DOT_PREC, DOT_UPCAST, USE_DOT, EVICT,
                     )
                 tl.store(Cnt + row_a * NUM_SPLITS2 + split, cnt_a, mask=ga_mask)
     if dense:
@@ -398,7 +415,7 @@ def _filter_kernel(
             v_ptrs = v_base + offs[:, None].to(tl.int64) * stride_vs + offs_d[None, :] * stride_vd
             acc, mass, c = _accumulate(
                 acc, mass, s, offs, n_mask, thr, amax, m, g_mask, v_ptrs,
-                (row_kept & n_mask)[:, None] & d_mask[None, :], DOT_PREC, DOT_UPCAST, USE_DOT,
+                (row_kept & n_mask)[:, None] & d_mask[None, :], DOT_PREC, DOT_UPCAST, USE_DOT, EVICT,
             )
             cnt += c
         tl.store(Cnt + pst, cnt, mask=g_mask)
@@ -410,6 +427,11 @@ def _filter_kernel(
         tl.debug_barrier()  # every thread's partial stores precede the release below
         done = tl.atomic_add(Sem + bh, 1, sem="acq_rel", scope="gpu")
         if done == NUM_SPLITS2 - 1:
+            if RESET_SYNC:
+                # Every program of this row has passed its wait and its count: zero both
+                # counters for the next call (saves a memset launch per call).
+                tl.store(Sem + bh, 0)
+                tl.store(Arrive + bh, 0)
             tot = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
             tot_mass = tl.zeros([BLOCK_G], tl.float32)
             kept = tl.zeros([BLOCK_G], tl.int32)
@@ -554,12 +576,34 @@ def _meta(q: torch.Tensor, k_cache: torch.Tensor, cfg: KernelConfig) -> dict:
     return _plan(B, Hq, k_cache.shape[1], k_cache.shape[2], D, q.dtype, *_device_info(q.device), interp, cfg)
 
 
-def scores_pass(q, k_cache, scale, seq_lens, cfg: KernelConfig) -> dict:
-    """Pass 1: float32 log2-domain scores [B, Hq, S] and per-split softmax statistics."""
+_SYNC: dict[tuple, torch.Tensor] = {}
+
+
+def _sync_counters(dev: torch.device, rows: int) -> torch.Tensor:
+    """Zeroed [2, rows] int32 counters, one buffer per (device, stream, rows).
+
+    The filter kernel's last program of each row sets them back to zero, so a call
+    needs no memset. Calls on one stream run in order; a buffer per stream keeps
+    concurrent streams apart.
+    """
+    key = (dev, torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else 0, rows)
+    buf = _SYNC.get(key)
+    if buf is None:
+        buf = _SYNC[key] = torch.zeros(2, rows, device=dev, dtype=torch.int32)
+    return buf
+
+
+def scores_pass(q, k_cache, scale, seq_lens, cfg: KernelConfig, reuse_sync: bool = False) -> dict:
+    """Pass 1: float32 log2-domain scores [B, Hq, S] and per-split softmax statistics.
+
+    ``reuse_sync``: take the stream's reusable counters (only when a fused filter pass
+    follows, which zeroes them again).
+    """
     mt = _meta(q, k_cache, cfg)
     B, Hq, Hkv, S = mt["B"], mt["Hq"], mt["Hkv"], mt["S"]
     dev = q.device
     split1, ns1 = mt["split1"], mt["ns1"]
+    reuse = reuse_sync and mt["reuse_sync"]
     st = dict(
         meta=mt, ns1=ns1,
         scores=torch.empty(B, Hq, S, device=dev, dtype=torch.float32),
@@ -568,7 +612,8 @@ def scores_pass(q, k_cache, scale, seq_lens, cfg: KernelConfig) -> dict:
         ast=torch.empty(B, Hq, ns1, device=dev, dtype=torch.int32),
         # Counters (combine, row arrivals), zeroed before pass 1: a memset between the two
         # kernels would break the PDL chain.
-        sync=torch.zeros(2, B * Hkv, device=dev, dtype=torch.int32),
+        sync=_sync_counters(dev, B * Hkv) if reuse else torch.zeros(2, B * Hkv, device=dev, dtype=torch.int32),
+        reset_sync=reuse,
         pdl=mt["pdl"],
     )
     st["sem"], st["arrive"] = st["sync"]
@@ -580,7 +625,7 @@ def scores_pass(q, k_cache, scale, seq_lens, cfg: KernelConfig) -> dict:
         scale * LOG2E, S, split1, ns1,
         HQ=Hq, HKV=Hkv, G=mt["G"], BLOCK_G=mt["BLOCK_G"], D=mt["D"], BLOCK_D=mt["BLOCK_D"],
         BLOCK_N=cfg.block_n1, HAS_SEQ_LENS=has_sl, USE_DOT=mt["use_dot"], DOT_PREC=mt["prec"], DOT_UPCAST=mt["upcast"],
-        PDL=st["pdl"], num_warps=cfg.warps1, num_stages=cfg.stages1,
+        PDL=st["pdl"], EVICT=cfg.evict, num_warps=cfg.warps1, num_stages=cfg.stages1,
     )
     return st
 
@@ -628,11 +673,11 @@ def filter_pass(
         out.stride(0), out.stride(1), out.stride(2),
         S, split2, st["ns1"], ns2,
         HQ=Hq, HKV=Hkv, G=mt["G"], BLOCK_G=mt["BLOCK_G"], BLOCK_GA=mt["BLOCK_GA"], D=D, BLOCK_D=mt["BLOCK_D"],
-        BLOCK_N=cfg.block_n2, BLOCK_A=cfg.block_a, BLOCK_S1=mt["BLOCK_S1"], HAS_SEQ_LENS=has_sl,
+        BLOCK_N=cfg.block_n2, BLOCK_A=mt["BLOCK_A"], STAGES_A=cfg.stages_a, BLOCK_S1=mt["BLOCK_S1"], HAS_SEQ_LENS=has_sl,
         USE_DOT=mt["use_dot"], DOT_PREC=mt["prec"], DOT_UPCAST=mt["upcast"], KEEP_ALL=eta is None,
         COMPACT=compact, DENSE_PCT=cfg.dense_pct,
-        FUSED_COMBINE=fused, RENORMALIZE=renormalize, WRITE_KEPT=want_kept,
-        PDL=st["pdl"], num_warps=cfg.warps2, num_stages=cfg.stages2,
+        FUSED_COMBINE=fused, RESET_SYNC=st["reset_sync"] and fused, RENORMALIZE=renormalize, WRITE_KEPT=want_kept,
+        PDL=st["pdl"], EVICT=cfg.evict, num_warps=cfg.warps2, num_stages=cfg.stages2,
         **({"launch_pdl": True} if st["pdl"] else {}),
     )
     return pt
@@ -653,6 +698,16 @@ def combine_pass(st: dict, pt: dict, out_dtype: torch.dtype, renormalize: bool, 
     return out, kept
 
 
+def _filter_or_reset(st: dict, *args, **kwargs) -> dict:
+    """filter_pass; if it fails to launch, zero the reused counters the scores pass advanced."""
+    try:
+        return filter_pass(st, *args, **kwargs)
+    except BaseException:
+        if st["reset_sync"]:
+            st["sync"].zero_()
+        raise
+
+
 _DEFAULT = KernelConfig()
 
 
@@ -668,8 +723,8 @@ def sift_decode_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Inputs already validated by :func:`siftattention.kernels.sift_decode`."""
     cfg = cfg or _DEFAULT
-    st = scores_pass(q, k_cache, scale, seq_lens, cfg)
-    pt = filter_pass(st, v_cache, eta, seq_lens, cfg, q.dtype, renormalize, want_kept=True)
+    st = scores_pass(q, k_cache, scale, seq_lens, cfg, reuse_sync=True)
+    pt = _filter_or_reset(st, v_cache, eta, seq_lens, cfg, q.dtype, renormalize, want_kept=True)
     if cfg.fused_combine:
         return pt["out"], pt["kept"]
     return combine_pass(st, pt, q.dtype, renormalize, want_kept=True)
@@ -686,9 +741,9 @@ def sift_warmup_decode_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact output plus theta; ``tau`` is a float64 [B, Hq] tensor."""
     cfg = cfg or _DEFAULT
-    st = scores_pass(q, k_cache, scale, seq_lens, cfg)
+    st = scores_pass(q, k_cache, scale, seq_lens, cfg, reuse_sync=True)
     theta = quantile_pass(st, tau, seq_lens, cfg)
-    pt = filter_pass(st, v_cache, None, seq_lens, cfg, q.dtype, False, want_kept=False)
+    pt = _filter_or_reset(st, v_cache, None, seq_lens, cfg, q.dtype, False, want_kept=False)
     out = pt["out"] if cfg.fused_combine else combine_pass(st, pt, q.dtype, False, want_kept=False)[0]
     return out, theta
 
