@@ -148,6 +148,10 @@ def sift_decode(
 
     Returns:
         out [B, Hq, D] in q's dtype, kept [B, Hq] int32 (keys kept per head).
+
+    The Triton path keeps a small counter buffer per CUDA stream (zeroed again by each
+    call), so calls on one stream need no memset; CUDA graphs that capture it on one
+    stream must not be replayed concurrently on several streams.
     """
     scale_f, seq_lens = _check_common(q, k_cache, v_cache, scale, seq_lens)
     eta_t = _per_head(eta, "eta", q, torch.float32)

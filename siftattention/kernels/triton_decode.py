@@ -584,7 +584,8 @@ def _sync_counters(dev: torch.device, rows: int) -> torch.Tensor:
 
     The filter kernel's last program of each row sets them back to zero, so a call
     needs no memset. Calls on one stream run in order; a buffer per stream keeps
-    concurrent streams apart.
+    concurrent streams apart. A CUDA graph keeps the buffer of the stream it was
+    captured on: graphs captured on one stream must be replayed one at a time.
     """
     key = (dev, torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else 0, rows)
     buf = _SYNC.get(key)
