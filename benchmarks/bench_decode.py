@@ -468,6 +468,37 @@ def print_table(rows):
         )
 
 
+# Issue 4's targets (H100, MHA (32, 32), B = 8, S in {8192, 32768}): (label, ratio key, sparsity or None, bound, <=)
+TARGETS = [
+    ("sift <= 0.65x SDPA at s = 0.875", "sift_vs_sdpa", 0.875, 0.65, True),
+    ("sift <= 1.10x SDPA at s = 0", "sift_vs_sdpa", 0.0, 1.10, True),
+    ("sift >= 2x faster than top-k (top-k / sift), every s", "topk_over_sift", None, 2.0, False),
+    ("warmup <= 1.5x SDPA", "warmup_vs_sdpa", None, 1.5, True),
+]
+
+
+def print_targets(rows):
+    """The short table printed last: each target on the graph ratios (eager when --graph was off)."""
+    sel = [r for r in rows if r["B"] == 8 and r["Hq"] == 32 and r["Hkv"] == 32 and r["S"] in (8192, 32768)]
+    if not sel:
+        return
+    print("\n| target (MHA 32/32, B = 8) | dtype | S | worst ratio (at s) | met |")
+    print("|---|---|---|---|---|")
+    for label, key, sp, bound, upper in TARGETS:
+        for dtn in sorted({r["dtype"] for r in sel}):
+            for S in (8192, 32768):
+                cells = [r for r in sel if r["dtype"] == dtn and r["S"] == S and (sp is None or abs(r["sparsity"] - sp) < 1e-9)]
+                if not cells:
+                    continue
+                graph = {"sift_vs_sdpa": "sift_vs_sdpa_graph", "topk_over_sift": "topk_over_sift_graph",
+                         "warmup_vs_sdpa": "warmup_vs_sdpa_graph"}[key]
+                val = lambda r: r[graph] if math.isfinite(r.get(graph, float("nan"))) else r[key]  # noqa: E731
+                worst = max(cells, key=val) if upper else min(cells, key=val)
+                v = val(worst)
+                ok = v <= bound if upper else v >= bound
+                print(f"| {label} | {dtn} | {S} | {v:.3f} (s = {worst['sparsity']}) | {'yes' if ok else 'NO'} |")
+
+
 def run_cpu_profile(args):
     """Host time per call (no device sync) and a cProfile of the launch path."""
     import cProfile
@@ -565,6 +596,7 @@ def render(paths):
         ncu += d.get("ncu", [])
     if rows:
         print_table(rows)
+        print_targets(rows)
     for r in ncu:
         B, Hq, Hkv, S = r["B"], r["Hq"], r["Hkv"], r["S"]
         kv = r["dense_bytes"] / 2
@@ -652,6 +684,7 @@ def main():
             json.dump(out, f, indent=1)
     if "sweep" in out:
         print_table(out["sweep"])
+        print_targets(out["sweep"])
     if fails:
         sys.exit(1)
 
