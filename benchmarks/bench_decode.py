@@ -490,9 +490,7 @@ def print_targets(rows):
                 cells = [r for r in sel if r["dtype"] == dtn and r["S"] == S and (sp is None or abs(r["sparsity"] - sp) < 1e-9)]
                 if not cells:
                     continue
-                graph = {"sift_vs_sdpa": "sift_vs_sdpa_graph", "topk_over_sift": "topk_over_sift_graph",
-                         "warmup_vs_sdpa": "warmup_vs_sdpa_graph"}[key]
-                val = lambda r: r[graph] if math.isfinite(r.get(graph, float("nan"))) else r[key]  # noqa: E731
+                val = lambda r: r[key + "_graph"] if math.isfinite(r.get(key + "_graph", float("nan"))) else r[key]  # noqa: E731
                 worst = max(cells, key=val) if upper else min(cells, key=val)
                 v = val(worst)
                 ok = v <= bound if upper else v >= bound

@@ -71,9 +71,7 @@ def test_console_entry_point_exits_cleanly_on_bad_spec():
 
 
 def test_ppl_end_to_end_on_the_embedded_model(tmp_path, capsys, embedded):
-    from siftattention.data import load_corpus, token_windows
-
-    from siftattention.data import find_shared_file
+    from siftattention.data import find_shared_file, load_corpus, token_windows
 
     out = tmp_path / "run"
     specs = ["full", "topk:k=0.5", "sift:tau=0.5,warmup=32", "sift:tau=0.75,warmup=32"]

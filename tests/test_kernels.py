@@ -254,9 +254,8 @@ TRITON_CASES = [
 
 def _triton_worker() -> dict:
     """Runs in a subprocess with TRITON_INTERPRET=1; returns measured errors as JSON."""
-    from siftattention.kernels.triton_decode import KernelConfig, sift_decode_triton, sift_warmup_decode_triton
-
     from siftattention.kernels import triton_decode
+    from siftattention.kernels.triton_decode import KernelConfig, sift_decode_triton, sift_warmup_decode_triton
 
     res: dict = {"decode": [], "warmup": [], "exact": []}
     gen = torch.Generator().manual_seed(21)
@@ -305,7 +304,8 @@ def _triton_worker() -> dict:
         sift_decode_triton(q, k, v, torch.zeros(1, 4), 0.125, None, False, KernelConfig(**SMALL))
     except RuntimeError:
         pass
-    triton_decode.filter_pass = real
+    finally:
+        triton_decode.filter_pass = real
     res["sync_nonzero_after_failure"] = sum(int(b.count_nonzero()) for b in triton_decode._SYNC.values())
     return res
 
