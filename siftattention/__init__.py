@@ -2,10 +2,12 @@
 
 Public API::
 
-    from siftattention import apply, Full, TopK, H2O, Sift, Oracle, load_model
+    from siftattention import apply, generate, Full, TopK, H2O, Sift, Oracle, load_model
     model, tokenizer = load_model("smollm2-135m")
     with apply(model, Sift(tau=0.875, warmup=128)) as handle:
-        model.generate(...)
+        model.generate(...)                     # transformers' loop, the method applied
+    res = generate(model, input_ids, attention_mask, Sift(tau=0.875, warmup=16), max_new_tokens=256)
+                                                # the fast loop: fixed cache, CUDA graphs
 
 Imports are lazy so that ``siftattention.kernels`` and the CLI start quickly.
 """
@@ -21,6 +23,9 @@ _EXPORTS = {
     "apply": "siftattention.hf",
     "SiftHandle": "siftattention.hf",
     "UnsupportedModelError": "siftattention.hf",
+    "AlreadyAppliedError": "siftattention.hf",
+    "generate": "siftattention.generation",
+    "GenerationResult": "siftattention.generation",
     "Method": "siftattention.methods",
     "Full": "siftattention.methods",
     "TopK": "siftattention.methods",

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .methods.base import Method, Rows
+from .methods.base import KeyRange, Method, Rows
 
 #: Soft bound on the elements of one chunk's [B, H, R, K] score block.
 CHUNK_ELEMENTS = 1 << 24
@@ -32,6 +32,42 @@ class LayerRecord:
         self.steps.append(steps.detach().int())
         self.kept.append(kept.detach().int())
         self.approx.append(approx.detach())
+
+
+class StepRecord:
+    """A ``LayerRecord`` for captured decode loops: preallocated per-step buffers written at a device index.
+
+    ``add`` writes step ``counter`` (a [1] int64 device tensor the loop advances) without
+    any host-side bookkeeping, so it can be replayed from a CUDA graph; ``finish(n)``
+    exposes the first ``n`` steps through ``LayerRecord``'s lists.
+    """
+
+    def __init__(self, max_steps: int, counter: torch.Tensor) -> None:
+        self.max_steps = max(1, max_steps)
+        self.counter = counter
+        self._steps: torch.Tensor | None = None
+        self.steps: list[torch.Tensor] = []
+        self.kept: list[torch.Tensor] = []
+        self.approx: list[torch.Tensor] = []
+
+    def add(self, steps: torch.Tensor, kept: torch.Tensor, approx: torch.Tensor) -> None:
+        if self._steps is None:  # sized by the first (eager) step, before any capture
+            B, H = kept.shape[:2]
+            self._steps = torch.zeros(self.max_steps, B, dtype=torch.int32, device=kept.device)
+            self._kept = torch.zeros(self.max_steps, B, H, dtype=torch.int32, device=kept.device)
+            self._approx = torch.zeros(self.max_steps, B, dtype=torch.bool, device=kept.device)
+        self._steps.index_copy_(0, self.counter, steps[:, 0].int()[None])
+        self._kept.index_copy_(0, self.counter, kept[:, :, 0].int()[None])
+        self._approx.index_copy_(0, self.counter, approx[:, 0].bool()[None])
+
+    def finish(self, n: int) -> None:
+        """Expose the first ``n`` recorded steps as ``LayerRecord``-style lists."""
+        if self._steps is None or n <= 0:
+            self.steps, self.kept, self.approx = [], [], []
+            return
+        self.steps = [self._steps[:n].T]
+        self.kept = [self._kept[:n].permute(1, 2, 0)]
+        self.approx = [self._approx[:n].T]
 
 
 def valid_keys(mask: torch.Tensor | None, q_len: int, k_len: int, batch: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -66,13 +102,36 @@ def exact_attention(
     Rows without any valid key (left padding) attend to every key instead of producing
     NaN; their outputs are never attended to by real tokens.
     """
-    groups = query.shape[1] // key.shape[1]
-    if groups > 1:
-        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     mask = valid | ~valid.any(dim=-1, keepdim=True)
     if bias is not None:
         mask = torch.where(mask, bias.to(query.dtype), torch.finfo(query.dtype).min)
-    return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling)
+    gqa = query.shape[1] != key.shape[1]
+    return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=gqa)
+
+
+def decode_probs(query: torch.Tensor, k_cache: torch.Tensor, keys: KeyRange, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float32 softmax [B, Hq, L] of one query token over the valid keys of a cache, and the [B, 1, L] validity.
+
+    The reference for methods without a kernel of their own: every cache position is
+    scored (fixed shapes, no host synchronisation), invalid ones get probability 0.
+    """
+    B, Hq, D = query.shape
+    Hkv, L = k_cache.shape[1], k_cache.shape[2]
+    scores = torch.matmul(query.float().reshape(B, Hkv, Hq // Hkv, D), k_cache.float().transpose(-1, -2)).reshape(B, Hq, L) * scaling
+    pos = torch.arange(L, device=query.device)
+    valid = pos[None, :] < keys.seq_lens[:, None]
+    if keys.starts is not None:
+        valid &= pos[None, :] >= keys.starts[:, None]
+    valid = valid[:, None, :]
+    return torch.softmax(scores.masked_fill(~valid, float("-inf")), dim=-1), valid
+
+
+def weighted_values(weights: torch.Tensor, v_cache: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``sum_i w_i v_i`` per query head: weights [B, Hq, L], cache [B, Hkv, L, D] -> [B, Hq, D]."""
+    B, Hq, L = weights.shape
+    Hkv, D = v_cache.shape[1], v_cache.shape[3]
+    out = torch.matmul(weights.reshape(B, Hkv, Hq // Hkv, L), v_cache.float())
+    return out.reshape(B, Hq, D).to(dtype)
 
 
 def method_attention(

@@ -1,34 +1,49 @@
 """transformers integration: ``apply(model, method)``.
 
-Registers an attention function through ``AttentionInterface`` and a boolean mask
-builder through ``AttentionMaskInterface`` under a name unique to the handle, then
-switches the model to it. The mask registration matters: transformers builds no
-mask at all (so no causal masking) for an attention name it does not know.
+Registers an attention function through ``AttentionInterface`` and a mask builder
+through ``AttentionMaskInterface`` under a name unique to the handle, then switches
+the model to it. The mask registration matters: transformers builds no mask at all
+(so no causal masking) for an attention name it does not know.
 
-Two modes, one rule (DESIGN.md): in ``model(...)`` every query row is a generation
-step; inside ``model.generate(...)`` the prompt is prefilled exactly and each new
-token is a step. State is per (sequence, layer, head) and is reset whenever a
-forward pass starts with no past keys, and at the start of every ``generate``.
+This module only routes; it never names a method (docs/design.md, "Two modes"):
+
+- rows of a forward pass with no decoding under way are teacher-forced steps and go
+  to ``attention.method_attention`` (the method's ``select``);
+- inside ``generate`` (or the fast loop in ``siftattention.generation``) the prompt is
+  prefilled exactly, and each one-token query is a decode step that goes to the
+  method's ``decode_step`` over the KV cache, with kernels planned once per shape;
+- methods that never prune (``always_exact``) run through transformers' own SDPA
+  attention and mask, so ``Full()`` costs what transformers costs.
+
+State is per (sequence, layer, head) and is reset whenever a forward pass starts
+with no past keys, and at the start of every ``generate``. One handle per model at a
+time: a second ``apply`` raises ``AlreadyAppliedError``.
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from transformers import AttentionInterface, PreTrainedModel
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .attention import LayerRecord, exact_attention, method_attention, valid_keys
-from .methods.base import Method
+from .methods.base import KeyRange, Method
 
 _ids = itertools.count()
+_HANDLE_ATTR = "_siftattention_handle"
 
 
 class UnsupportedModelError(TypeError):
     """The model's attention does not go through transformers' AttentionInterface."""
+
+
+class AlreadyAppliedError(RuntimeError):
+    """The model already runs a siftattention method; remove that handle first."""
 
 
 def _boolean_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
@@ -53,7 +68,14 @@ class SiftStats:
         return self._handle.states.get(layer)
 
     def _stack(self, attr: str) -> torch.Tensor:
-        return torch.stack([getattr(self._handle.states[layer], attr).cpu() for layer in self.layers])
+        states = self._handle.states
+        if not states or any(s is None for s in states.values()):
+            raise RuntimeError(
+                f"no statistics yet: {attr} exists once a forward pass or generate() has run with {self._handle.method.name} applied"
+                if not states
+                else f"{self._handle.method.name} keeps no {attr}"
+            )
+        return torch.stack([getattr(states[layer], attr).cpu() for layer in sorted(states)])
 
     @property
     def thetas(self) -> torch.Tensor:
@@ -92,12 +114,21 @@ class SiftStats:
             return torch.zeros(0, 0, 0, 0, dtype=torch.float64), torch.zeros(0, 0, 1, 0, dtype=torch.bool)
         return torch.stack(sparsity), torch.stack(selected)
 
-    def realized_sparsity(self, *, post_warmup: bool = False, min_step: int = 1) -> float:
-        """Pruned keys / valid keys, averaged over steps, heads, layers and sequences."""
+    def realized_sparsity(self, *, post_warmup: bool = False, min_step: int = 1, per_sequence: bool = False) -> Any:
+        """Pruned keys / valid keys, averaged over steps, heads, layers (and sequences).
+
+        A float, or with ``per_sequence`` a float64 tensor [B]. Where no step counts (no
+        post-warmup step yet), NaN; an exact method (Full) is 0 by definition.
+        """
         sparsity, selected = self.rows(post_warmup=post_warmup, min_step=min_step)
+        if self._handle.method.always_exact:
+            return torch.zeros(self._handle.last_batch, dtype=torch.float64) if per_sequence else 0.0
         weight = selected.expand_as(sparsity).double()
+        if per_sequence:
+            total = weight.sum(dim=(0, 2, 3))
+            return (sparsity * weight).sum(dim=(0, 2, 3)) / total.where(total > 0, torch.full_like(total, float("nan")))
         total = weight.sum()
-        return float((sparsity * weight).sum() / total) if total > 0 else 0.0
+        return float((sparsity * weight).sum() / total) if total > 0 else float("nan")
 
     def per_head(self, *, post_warmup: bool = False) -> torch.Tensor:
         """[L, B, H] realized sparsity of every (layer, sequence, head)."""
@@ -122,14 +153,18 @@ class SiftHandle:
         self.decode_backend = decode_backend
         self.name = f"sift_{next(_ids)}"
         self.states: dict[int, Any] = {}
-        self.records: dict[int, LayerRecord] = {}
+        self.records: dict[int, Any] = {}
         self.decoding = False
+        self.last_batch = 0
+        #: Set by ``siftattention.generation`` around its loop: the valid key range and step of every decode call.
+        self.context: Any = None
         self.stats = SiftStats(self)
         self._layer_ids: dict[int, int] = {}
         self._batch: dict[int, int] = {}
         self._decoded: dict[int, int] = {}  # decode steps per layer since the prefill (host-side)
-        self._prefix_ok: dict[int, bool] = {}  # valid keys form a prefix (kernel path possible)
-        self._previous = model.config._attn_implementation
+        self._range_ok: dict[int, bool] = {}  # valid keys of every row form one contiguous range
+        self._plans: dict[tuple, Any] = {}
+        self._previous = getattr(model, "config", None) and model.config._attn_implementation
         self._installed = False
         self._install()
 
@@ -141,8 +176,13 @@ class SiftHandle:
                 f"{cls.__name__} does not route its attention through transformers' AttentionInterface, "
                 "so SiftAttention cannot be applied to it"
             )
+        current = getattr(self.model, _HANDLE_ATTR, None)
+        if current is not None:
+            raise AlreadyAppliedError(
+                f"{cls.__name__} already runs {current.method.spec()} ({current.name}); remove that handle before applying another method"
+            )
         AttentionInterface.register(self.name, self._attention)
-        AttentionMaskInterface.register(self.name, _boolean_mask)
+        AttentionMaskInterface.register(self.name, sdpa_mask if self.method.always_exact else _boolean_mask)
         try:
             self.model.set_attn_implementation(self.name)
         except Exception:
@@ -163,6 +203,7 @@ class SiftHandle:
                 self.decoding = False
 
         self.model.generate = generate  # type: ignore[method-assign]
+        setattr(self.model, _HANDLE_ATTR, self)
         self._installed = True
 
     def _unregister(self) -> None:
@@ -170,11 +211,12 @@ class SiftHandle:
         AttentionMaskInterface._global_mapping.pop(self.name, None)
 
     def remove(self) -> None:
-        """Restore the model's previous attention implementation and forget the method."""
+        """Restore the model's previous attention implementation and ``generate``, and forget the method."""
         if not self._installed:
             return
         self.model.set_attn_implementation(self._previous)
         self.model.__dict__.pop("generate", None)
+        self.model.__dict__.pop(_HANDLE_ATTR, None)
         self._unregister()
         self._installed = False
 
@@ -189,7 +231,7 @@ class SiftHandle:
         self.states.clear()
         self.records.clear()
         self._decoded.clear()
-        self._prefix_ok.clear()
+        self._range_ok.clear()
 
     # -- the attention function ---------------------------------------------------------
     def _layer_index(self, module: torch.nn.Module) -> int:
@@ -212,71 +254,104 @@ class SiftHandle:
         if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
             raise UnsupportedModelError(f"{type(module).__name__} uses attention sinks, which SiftAttention does not support")
         B, Hq, Q, D = query.shape
-        K = key.shape[2]
+        scaling = D**-0.5 if scaling is None else scaling
+        decoding = self.decoding or self.context is not None
+        self.last_batch = B
+        if self.method.always_exact and not (self.context is not None and Q == 1):
+            return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
         layer = self._layer_index(module)
-        state = self.states.get(layer)
-        if K == Q or layer not in self.records or self._batch.get(layer) != B:
+        if key.shape[2] == Q or layer not in self.records or self._batch.get(layer) != B:
             # No past keys: a new batch of sequences starts in this layer.
-            self.states[layer] = state = self.method.new_state(B, Hq, query.device)
+            self.states[layer] = self.method.new_state(B, Hq, query.device)
             self.records[layer] = LayerRecord()
             self._batch[layer] = B
-        valid, bias = valid_keys(attention_mask, Q, K, B, query.device)
-        prefill = self.decoding and Q > 1
-        scaling = D**-0.5 if scaling is None else scaling
-        if prefill:
-            # One sync per layer and prompt: may later steps use the kernels' prefix layout?
-            self._prefix_ok[layer] = bias is None and bool(valid[:, 0, -1].all())
             self._decoded[layer] = 0
-        elif self._use_decode_kernels(layer, query, Q, bias, kwargs):
-            return self._kernel_decode_step(layer, state, query, key, value, valid, scaling)
+        state = self.states[layer]
+        if decoding and Q == 1:
+            out = self._decode(layer, module, state, query, key, value, attention_mask, scaling, kwargs)
+            if out is not None:
+                return out
+        K = key.shape[2]
+        valid, bias = valid_keys(attention_mask, Q, K, B, query.device)
+        prefill = decoding and Q > 1
         softcap = kwargs.get("softcap")
-        record = self.records[layer]
-        if softcap is None and (self.method.always_exact or (prefill and not self.method.observes_prefill())):
-            # Rows nobody needs to see go through torch's fused attention.
+        if prefill:
+            # One sync per layer and prompt: can later steps describe their keys as one range per row?
+            last = valid[:, 0, -1]
+            span = K - last.int().flip(-1).argmax(-1) - last.int().argmax(-1)
+            self._range_ok[layer] = bias is None and bool((span == last.sum(-1)).all())
+        if prefill and softcap is None and not self.method.observes_prefill():
             out = exact_attention(query, key, value, valid, scaling=scaling, bias=bias)
-            if not prefill:
-                steps = valid[:, 0].sum(-1)
-                record.add(steps, steps[:, None, :].expand(B, Hq, Q), steps > 0)
         else:
             out = method_attention(
                 self.method, state, query, key, value, valid,
-                scaling=scaling, bias=bias, softcap=softcap, prefill=prefill, record=record,
+                scaling=scaling, bias=bias, softcap=softcap, prefill=prefill, record=self.records[layer],
             )
         if prefill:
             self.method.finish_prefill(state)
-        elif self.decoding and layer in self._decoded:
+        elif decoding:
             self._decoded[layer] += 1
         return out.transpose(1, 2).contiguous(), None
 
-    def _use_decode_kernels(self, layer: int, query: torch.Tensor, q_len: int, bias: torch.Tensor | None, kwargs: dict) -> bool:
-        from .methods.sift import Sift
-
-        if self.decode_backend is None or not self.decoding or q_len != 1 or not isinstance(self.method, Sift):
-            return False
-        if bias is not None or kwargs.get("softcap") is not None or not self._prefix_ok.get(layer, False):
-            return False
-        return self.decode_backend != "auto" or query.is_cuda
-
-    def _kernel_decode_step(self, layer, state, query, key, value, valid, scaling) -> tuple[torch.Tensor, None]:
-        from .fast_decode import sift_decode_step
-
-        seq_lens = valid[:, 0, 0].sum(-1)  # valid keys form a prefix: its length, on the device
-        out, kept, approx = sift_decode_step(
-            self.method, state, query, key, value, seq_lens, scaling=scaling, decoded=self._decoded[layer], backend=self.decode_backend
-        )
+    def _decode(self, layer, module, state, query, key, value, attention_mask, scaling, kwargs) -> tuple[torch.Tensor, None] | None:
+        """One decode step through the method's ``decode_step``; None where only ``select`` can serve it."""
+        step = self.context.step if self.context is not None else self._decoded[layer]
+        phase = self.method.decode_phase(step)
+        if phase is None or self.decode_backend is None or kwargs.get("softcap") is not None:
+            return None
+        if self.context is not None:
+            keys = self.context.keys(kwargs.get("sliding_window", getattr(module, "sliding_window", None)))
+        else:
+            if not self._range_ok.get(layer, False) or (attention_mask is not None and attention_mask.dtype != torch.bool):
+                return None
+            keys = _key_range(attention_mask, key.shape[2], query.shape[0], query.device)
+        kernels = self._plan(query, key, scaling)
+        res = self.method.decode_step(query[:, :, 0], key, value, keys, state, phase, kernels)
+        B, Hq = query.shape[:2]
+        steps = keys.steps()
+        kept = res.kept if res.kept is not None else steps[:, None].expand(B, Hq)
+        approx = res.approx if isinstance(res.approx, torch.Tensor) else torch.full((B,), res.approx, device=query.device)
+        if not self.method.always_exact:
+            self.records[layer].add(steps[:, None], kept[:, :, None], approx[:, None])
         self._decoded[layer] += 1
-        B = query.shape[0]
-        self.records[layer].add(seq_lens[:, None], kept[:, :, None], torch.full((B, 1), approx, device=query.device))
-        return out.transpose(1, 2).contiguous(), None
+        return res.out[:, None], None
+
+    def _plan(self, query: torch.Tensor, key: torch.Tensor, scaling: float) -> Any:
+        """The kernels for this shape, planned once (scratch buffers and launch plan) and reused."""
+        from .kernels import DecodeKernels
+
+        B, Hq, _, D = query.shape
+        sig = (B, Hq, key.shape[1], key.shape[2], D, query.dtype, query.device, float(scaling))
+        plan = self._plans.get(sig)
+        if plan is None:
+            if self.context is None:
+                # The reference path's cache grows every step: keep only the newest plan per shape family.
+                self._plans = {s: p for s, p in self._plans.items() if s[3] != sig[3] - 1}
+            plan = DecodeKernels.plan(
+                batch=B, q_heads=Hq, kv_heads=key.shape[1], max_len=key.shape[2], head_dim=D, dtype=query.dtype,
+                device=query.device, scale=float(scaling), renormalize=self.method.renormalize, backend=self.decode_backend,
+            )
+            self._plans[sig] = plan
+        return plan
+
+
+def _key_range(mask: torch.Tensor | None, k_len: int, batch: int, device: torch.device) -> KeyRange:
+    """The [first, last + 1) range of valid keys of a one-token query's boolean mask (no host sync)."""
+    if mask is None:
+        return KeyRange(torch.full((batch,), k_len, dtype=torch.int32, device=device))
+    row = mask[:, 0, -1, :k_len].expand(batch, k_len).int()
+    starts = row.argmax(-1)
+    seq_lens = k_len - row.flip(-1).argmax(-1)
+    return KeyRange(seq_lens.int(), starts.int())
 
 
 def apply(model: PreTrainedModel, method: Method, *, decode_backend: str | None = "auto") -> SiftHandle:
     """Run ``model``'s attention through ``method`` until the handle is removed.
 
-    ``decode_backend`` picks the decode-step path of Sift inside ``generate``: "auto"
-    uses the fused kernels (``siftattention.kernels``) on CUDA and the reference
-    attention elsewhere; "torch"/"triton" force the kernel entry points with that
-    backend; None always uses the reference attention.
+    ``decode_backend`` picks how decode steps inside ``generate`` run: "auto" uses the
+    method's ``decode_step`` with the Triton kernels on CUDA and the torch kernels
+    elsewhere; "torch"/"triton" force that kernel backend; None always uses the
+    row-wise reference attention (``select``), an independent reference for tests.
 
     >>> with apply(model, Sift(tau=0.875, warmup=128)) as handle:
     ...     out = model.generate(**inputs, max_new_tokens=256)

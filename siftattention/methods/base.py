@@ -1,11 +1,19 @@
 """The interface every attention method implements.
 
-A method sees a chunk of attention rows (probabilities over the causally valid
-keys, one row per generation step) and decides which keys each query head keeps.
-It owns a small per-(sequence, layer) state, created by ``new_state`` and reset for
-every new batch of sequences. Everything else -- computing the probabilities,
-applying the selection to V, recording realized sparsity -- lives in
-``siftattention.attention`` so that methods stay a few dozen lines each.
+A method has two entry points, one per mode (docs/design.md):
+
+- ``select`` (teacher-forced rows, and the prompt of a decode): it sees a chunk of
+  attention rows (probabilities over the causally valid keys, one row per
+  generation step) and decides which keys each query head keeps; computing the
+  probabilities and applying the selection live in ``siftattention.attention``.
+- ``decode_step`` (one new token per sequence): it owns the whole step over the KV
+  cache, through ``siftattention.kernels`` (Triton on CUDA, torch elsewhere). It
+  must not synchronise with the host or change shapes, so a generation loop can
+  capture it in a CUDA graph. ``decode_phase`` names what a given step does
+  (steps with equal phases run the same code and can replay one graph).
+
+State is per (sequence, layer), created by ``new_state`` and reset for every new
+batch of sequences.
 """
 
 from __future__ import annotations
@@ -38,6 +46,36 @@ class Rows:
 
 
 @dataclass
+class KeyRange:
+    """The valid keys of each sequence at one decode step: cache positions ``[starts, seq_lens)``.
+
+    ``starts`` covers left padding and sliding windows (None: every row starts at 0).
+    """
+
+    seq_lens: torch.Tensor  # [B] int32
+    starts: torch.Tensor | None = None  # [B] int32
+
+    def steps(self) -> torch.Tensor:
+        """The generation step S of each row ([B] int64): the number of valid keys."""
+        lens = self.seq_lens.long()
+        return lens if self.starts is None else lens - self.starts.long()
+
+
+@dataclass
+class DecodeOutput:
+    """One decode step of one layer.
+
+    out:    [B, Hq, D] attention output in the query's dtype.
+    kept:   [B, Hq] int32 keys kept per head, or None when every valid key was used.
+    approx: [B] bool, the rows the method approximated (post-warmup), or a Python bool for all rows.
+    """
+
+    out: torch.Tensor
+    kept: torch.Tensor | None
+    approx: torch.Tensor | bool
+
+
+@dataclass
 class Selection:
     """What a method keeps for a chunk of rows.
 
@@ -52,11 +90,13 @@ class Selection:
 
 
 def check_fraction(name: str, value: float, *, low_open: bool = True, high_open: bool = True) -> float:
-    """Raise ValueError naming ``name`` unless ``value`` lies in the interval."""
+    """Raise ValueError naming ``name`` unless ``value`` is a number in the interval."""
+    interval = ("(" if low_open else "[") + "0, 1" + (")" if high_open else "]")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number in {interval}, got {value!r}")
     lo_ok = value > 0 if low_open else value >= 0
     hi_ok = value < 1 if high_open else value <= 1
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or not (lo_ok and hi_ok):
-        interval = ("(" if low_open else "[") + "0, 1" + (")" if high_open else "]")
+    if math.isnan(value) or not (lo_ok and hi_ok):
         raise ValueError(f"{name} must be in {interval}, got {value!r}")
     return float(value)
 
@@ -80,6 +120,23 @@ class Method:
     def new_state(self, batch: int, heads: int, device: torch.device) -> Any:
         """Per-(sequence, head) state for one layer; None when the method keeps none."""
         return None
+
+    def decode_phase(self, step: int) -> str | None:
+        """What decode step ``step`` (0 = the first decoded token) does, or None without a decode step.
+
+        Steps with equal phases run the same device code; a method with no
+        ``decode_step`` (its decode needs host logic) returns None and is served by
+        ``select`` instead.
+        """
+        return None
+
+    def decode_step(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, keys: KeyRange, state: Any, phase: str, kernels: Any) -> DecodeOutput:
+        """One decode step over the cache: ``query`` [B, Hq, D], caches [B, Hkv, L, D].
+
+        ``kernels`` is a planned ``siftattention.kernels.DecodeKernels`` for these shapes.
+        No host synchronisation and no shape that depends on tensor values.
+        """
+        raise NotImplementedError(f"{self.name} has no decode step")
 
     def select(self, rows: Rows, state: Any) -> Selection:
         raise NotImplementedError

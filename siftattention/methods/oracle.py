@@ -9,7 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..powerlaw import masked_quantile
-from .base import Method, Rows, Selection, check_fraction, keep_row_max
+from typing import Any
+
+import torch
+
+from .base import DecodeOutput, KeyRange, Method, Rows, Selection, check_fraction, keep_row_max
 
 
 @dataclass
@@ -28,3 +32,12 @@ class Oracle(Method):
         eta = masked_quantile(rows.probs, valid, self.tau)
         keep = keep_row_max(rows.probs, rows.probs > eta.unsqueeze(-1), valid)
         return Selection(keep=keep, approx=rows.is_step)
+
+    def decode_phase(self, step: int) -> str:
+        return "sparse"
+
+    def decode_step(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, keys: KeyRange, state: None, phase: str, kernels: Any) -> DecodeOutput:
+        # The exact quantile of this step is the threshold (the warmup kernel computes it).
+        _, theta = kernels.warmup(query, k_cache, v_cache, self.tau, keys.seq_lens, keys.starts)
+        out, kept = kernels.sparse(query, k_cache, v_cache, theta, keys.seq_lens, keys.starts)
+        return DecodeOutput(out, kept, True)

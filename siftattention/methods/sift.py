@@ -8,13 +8,13 @@ key is kept when its probability exceeds the predicted eta_S = alpha * S^-beta.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 
 from ..powerlaw import fit_power_law, masked_quantile, predict
-from .base import Method, Rows, Selection, check_fraction, keep_row_max
+from .base import DecodeOutput, KeyRange, Method, Rows, Selection, check_fraction, keep_row_max
 
 
 @dataclass
@@ -72,15 +72,17 @@ class Sift(Method):
         state.theta_steps[b_idx, pos] = rows.steps[b_idx, r_idx].float()
 
     def _fit(self, state: SiftState, which: torch.Tensor) -> None:
-        """Fit the sequences in ``which`` ([B] bool) on their recorded points."""
-        if not bool(which.any()):
-            return
-        n = state.count[which]
-        points = torch.arange(self.warmup, device=n.device)[None, :] < n[:, None]
-        fit = fit_power_law(state.theta_steps[which][:, None, :], state.thetas[which], points[:, None, :])
-        state.alpha[which] = fit.alpha.float()
-        state.beta[which] = fit.beta.float()
-        state.r2[which] = fit.r2.float()
+        """Fit the sequences in ``which`` ([B] bool) on their recorded points.
+
+        Every row is fitted and the result kept where ``which`` holds: no host
+        synchronisation, so the fit can run inside a captured decode step.
+        """
+        points = torch.arange(self.warmup, device=state.count.device)[None, :] < state.count[:, None]
+        fit = fit_power_law(state.theta_steps[:, None, :], state.thetas, points[:, None, :])
+        pick = which[:, None]
+        state.alpha.copy_(torch.where(pick, fit.alpha.float(), state.alpha))
+        state.beta.copy_(torch.where(pick, fit.beta.float(), state.beta))
+        state.r2.copy_(torch.where(pick, fit.r2.float(), state.r2))
         state.fitted |= which
 
     def select(self, rows: Rows, state: SiftState) -> Selection:
@@ -98,6 +100,29 @@ class Sift(Method):
         keep = keep_row_max(rows.probs, rows.probs > eta.unsqueeze(-1), rows.valid)
         keep = torch.where(approx[:, None, :, None], keep, rows.valid)
         return Selection(keep=keep, approx=approx)
+
+    def decode_phase(self, step: int) -> str:
+        """'warmup' for the first ``warmup`` decoded tokens ('fit' for the last of them), then 'sparse'."""
+        if self.warmup_source == "decode" and step < self.warmup:
+            return "fit" if step == self.warmup - 1 else "warmup"
+        return "sparse"
+
+    def decode_step(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, keys: KeyRange, state: SiftState, phase: str, kernels: Any) -> DecodeOutput:
+        if phase in ("warmup", "fit"):
+            out, theta = kernels.warmup(query, k_cache, v_cache, self.tau, keys.seq_lens, keys.starts)
+            # Decode steps run in lockstep over the batch, so one slot index serves every row.
+            slot = state.count[:1]
+            state.thetas.index_copy_(2, slot, theta[:, :, None].float())
+            state.theta_steps.index_copy_(1, slot, keys.steps().float()[:, None])
+            state.count += 1
+            if phase == "fit":
+                self._fit(state, state.count >= self.warmup)
+            return DecodeOutput(out, None, False)
+        eta = predict(state.alpha, state.beta, keys.steps().float()[:, None])  # [B, Hq]
+        # A sequence without a fit (a one-token prompt with warmup_source='prefill') keeps every key.
+        eta = torch.where(state.fitted[:, None], eta, torch.zeros_like(eta))
+        out, kept = kernels.sparse(query, k_cache, v_cache, eta, keys.seq_lens, keys.starts)
+        return DecodeOutput(out, kept, state.fitted)
 
     def observes_prefill(self) -> bool:
         return self.warmup_source == "prefill"

@@ -6,7 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Method, Rows, Selection, check_fraction
+from typing import Any
+
+from .base import DecodeOutput, KeyRange, Method, Rows, Selection, check_fraction
 
 
 @dataclass
@@ -33,3 +35,20 @@ class TopK(Method):
         within = torch.arange(top.shape[-1], device=probs.device) < budget
         keep = torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, top, within.expand_as(top)) & rows.valid
         return Selection(keep=keep, approx=rows.is_step)
+
+    def decode_phase(self, step: int) -> str:
+        return "sparse"
+
+    def decode_step(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, keys: KeyRange, state: None, phase: str, kernels: Any) -> DecodeOutput:
+        from ..attention import decode_probs, weighted_values
+
+        probs, valid = decode_probs(query, k_cache, keys, kernels.scale)
+        budget = self.budget(keys.steps())[:, None, None]  # [B, 1, 1]
+        # Rank every key by a full sort (no host-side k, so the step can be captured in a graph).
+        order = torch.sort(probs, dim=-1, descending=True, stable=True).indices
+        ranks = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
+        keep = (ranks < budget) & valid
+        weights = probs * keep
+        if self.renormalize:
+            weights = weights / weights.sum(-1, keepdim=True).clamp(min=torch.finfo(weights.dtype).tiny)
+        return DecodeOutput(weighted_values(weights, v_cache, query.dtype), keep.sum(-1, dtype=torch.int32), True)

@@ -1,0 +1,10 @@
+"""The fast decode path: ``generate(model, input_ids, attention_mask, method, ...)``.
+
+A fixed-size KV cache, an exact prefill and one device-only step per token, captured
+as a CUDA graph per method phase on CUDA (see ``loop.py`` and docs/design.md).
+"""
+
+from .cache import FixedCache
+from .loop import GenerationResult, fast_path_problem, generate
+
+__all__ = ["FixedCache", "GenerationResult", "fast_path_problem", "generate"]

@@ -1,0 +1,77 @@
+"""A fixed-size KV cache for the fast decode loop.
+
+Every layer holds ``[B, Hkv, max_len, D]`` key and value buffers allocated once (at
+the prompt's first write), so their addresses never change and a decode step can be
+replayed from a CUDA graph. The prompt is written like a dynamic cache (the attention
+sees only the prompt's keys); from then on a one-token write goes to the device
+position ``write_pos`` and the attention sees the whole buffer, with the valid range
+of each row given by the loop (``KeyRange``), not by a mask. Sliding-window layers
+keep every position too: their window is a start offset of the valid range.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+
+class FixedLayer(CacheLayerMixin):
+    """One layer's preallocated keys and values."""
+
+    is_compileable = True
+
+    def __init__(self, cache: "FixedCache", max_len: int, sliding: bool) -> None:
+        super().__init__()
+        self.cache = cache
+        self.max_len = max_len
+        self.is_sliding = sliding
+        self.length = 0  # keys written by the prompt (host-side; decode writes are counted on the device)
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any) -> None:
+        B, H, _, Dk = key_states.shape
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.keys = key_states.new_zeros(B, H, self.max_len, Dk)
+        self.values = value_states.new_zeros(B, H, self.max_len, value_states.shape[-1])
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        pos = self.cache.write_pos
+        if pos is not None and key_states.shape[2] == 1:
+            self.keys.index_copy_(2, pos, key_states)
+            self.values.index_copy_(2, pos, value_states)
+            return self.keys, self.values
+        n = key_states.shape[2]
+        if self.length + n > self.max_len:
+            raise ValueError(f"the prompt needs {self.length + n} cache positions, the cache holds {self.max_len}")
+        self.keys[:, :, self.length : self.length + n] = key_states
+        self.values[:, :, self.length : self.length + n] = value_states
+        self.length += n
+        return self.keys[:, :, : self.length], self.values[:, :, : self.length]
+
+    def get_mask_sizes(self, query_length: int, *args: Any) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_seq_length(self, *args: Any) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return self.max_len
+
+    def get_max_cache_shape(self) -> int:
+        return self.max_len
+
+
+class FixedCache(Cache):
+    """transformers ``Cache`` of ``FixedLayer``s: one per decoder layer of ``config``."""
+
+    def __init__(self, config: Any, max_len: int) -> None:
+        text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        layer_types = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
+        #: [1] int64 cache position of the next one-token write; None while the prompt is written.
+        self.write_pos: torch.Tensor | None = None
+        super().__init__(layers=[FixedLayer(self, max_len, kind == "sliding_attention") for kind in layer_types])
+        self.max_len = max_len

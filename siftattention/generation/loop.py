@@ -1,0 +1,318 @@
+"""The fast decode loop: a fixed-size cache, an exact prefill, then one captured step per token.
+
+The shape of gpt-fast's ``generate.py``: ``prefill`` runs the prompt once; ``decode_one``
+runs the whole model on one token per sequence and picks the next token, all on the
+device (positions, cache write position, valid key ranges, the method's state and
+the per-step statistics are device tensors it updates in place). On CUDA each
+distinct method phase (for Sift: warmup, the fitting step, sparse) is captured once as
+a CUDA graph and replayed, so a token costs no Python and no launch per layer; on the
+CPU the same step runs eagerly. Left-padded batches are served by per-row start
+offsets: every row writes its token at the same cache position.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..attention import StepRecord
+from ..hf import SiftHandle, SiftStats, apply
+from ..methods import Full
+from ..methods.base import KeyRange, Method
+from .cache import FixedCache
+
+
+@dataclass
+class GenerationResult:
+    """What ``generate`` returns.
+
+    sequences:     [B, P + T] the prompt as given (left padding kept), then the new tokens
+                   (``pad_token_id`` after a row's EOS).
+    new_tokens:    [B, T] the new tokens alone.
+    num_generated: [B] new tokens of each row, its EOS included.
+    stats:         the method's statistics (realized sparsity, Sift's fit), as ``SiftHandle.stats``.
+    fast:          whether the fixed-cache loop ran (else transformers' ``generate``, see ``fallback_reason``).
+    timings:       seconds of prefill and decode, and the decode steps run.
+    """
+
+    sequences: torch.Tensor
+    new_tokens: torch.Tensor
+    num_generated: torch.Tensor
+    stats: SiftStats
+    fast: bool
+    fallback_reason: str | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+    scores: torch.Tensor | None = None  # [B, T, V] float32 logits of every step (``output_scores=True``)
+
+
+class DecodeContext:
+    """The device-side position of the loop, read by the attention glue at every decode call."""
+
+    def __init__(self, starts: torch.Tensor, prompt_len: int) -> None:
+        device = starts.device
+        self.step = 0  # host index of the decode step being run or captured (selects the method phase)
+        self.starts = starts.int()  # [B] first real token of each row (left padding)
+        self.seq_lens = torch.full_like(self.starts, prompt_len + 1)  # keys visible to the token being decoded
+        self.write_pos = torch.full((1,), prompt_len, dtype=torch.long, device=device)
+        self.counter = torch.zeros(1, dtype=torch.long, device=device)  # decode steps done
+
+    def keys(self, window: int | None) -> KeyRange:
+        if window is None:
+            return KeyRange(self.seq_lens, self.starts)
+        return KeyRange(self.seq_lens, torch.maximum(self.starts, self.seq_lens - window))
+
+    def advance(self) -> None:
+        self.seq_lens += 1
+        self.write_pos += 1
+        self.counter += 1
+
+
+def fast_path_problem(model: torch.nn.Module, method: Method) -> str | None:
+    """Why the fixed-cache loop cannot serve this model and method, or None."""
+    if method.decode_phase(0) is None:
+        return f"{method.name} has no device-side decode step (its cache eviction needs host logic)"
+    config = getattr(model, "config", None)
+    text = config.get_text_config(decoder=True) if config is not None and hasattr(config, "get_text_config") else config
+    if text is None or getattr(text, "is_encoder_decoder", False):
+        return "only decoder-only language models are supported"
+    if getattr(text, "attn_logit_softcapping", None):
+        return "attention logit soft-capping has no decode kernel"
+    kinds = set(getattr(text, "layer_types", None) or ["full_attention"])
+    if not kinds <= {"full_attention", "sliding_attention"}:
+        return f"layer types {sorted(kinds - {'full_attention', 'sliding_attention'})} need a cache of their own"
+    return None
+
+
+def _check_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, max_new_tokens: int) -> torch.Tensor:
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype not in (torch.long, torch.int):
+        raise ValueError("input_ids must be an integer tensor [batch, prompt_len]")
+    if input_ids.shape[1] == 0:
+        raise ValueError("the prompt is empty")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    if attention_mask is None:
+        return torch.ones_like(input_ids)
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask {tuple(attention_mask.shape)} and input_ids {tuple(input_ids.shape)} differ in shape")
+    mask = attention_mask.long()
+    # Left padding only: every row is zeros then ones, ending with a real token.
+    if bool((mask[:, 1:] < mask[:, :-1]).any()) or not bool(mask[:, -1].all()):
+        raise ValueError("attention_mask must describe left padding (zeros, then ones to the end of every row)")
+    return mask
+
+
+def _eos_tensor(eos_token_id: Any, device: torch.device) -> torch.Tensor | None:
+    if eos_token_id is None:
+        return None
+    ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+    return torch.tensor(ids, dtype=torch.long, device=device)
+
+
+class _Sampler:
+    """Greedy or sampled next tokens, on the device."""
+
+    def __init__(self, do_sample: bool, temperature: float, top_k: int | None) -> None:
+        if do_sample and not temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {temperature!r}")
+        self.do_sample, self.temperature, self.top_k = do_sample, temperature, top_k
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        if not self.do_sample:
+            return logits.argmax(-1)
+        logits = logits.float() / self.temperature
+        if self.top_k:
+            kth = torch.topk(logits, min(self.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        return torch.multinomial(torch.softmax(logits, dim=-1), 1)[:, 0]
+
+
+def _forward_kwargs(model: torch.nn.Module) -> set[str]:
+    return set(inspect.signature(model.forward).parameters)
+
+
+class _Loop:
+    """One generation: buffers, the prefill and the per-phase decode steps of one batch."""
+
+    def __init__(self, model, handle: SiftHandle, input_ids, mask, max_new_tokens, sampler, eos, pad_token_id, use_graphs, output_scores=False) -> None:
+        self.model, self.handle, self.sampler = model, handle, sampler
+        self.B, self.P = input_ids.shape
+        self.T = max_new_tokens
+        self.device = input_ids.device
+        self.eos, self.pad = eos, pad_token_id
+        self.use_graphs = use_graphs
+        self.cache = FixedCache(model.config, self.P + self.T)
+        self.ctx = DecodeContext(self.P - mask.sum(1), self.P)
+        self.accepts = _forward_kwargs(model)
+        self.tokens = torch.zeros(self.B, dtype=torch.long, device=self.device)
+        self.positions = torch.zeros(self.B, dtype=torch.long, device=self.device)
+        self.out = torch.full((self.B, self.T), pad_token_id, dtype=torch.long, device=self.device)
+        self.done = torch.zeros(self.B, dtype=torch.bool, device=self.device)
+        self.finished_at = torch.full((self.B,), self.T, dtype=torch.long, device=self.device)
+        # A 4-D mask makes transformers skip its mask construction: the valid keys come from the context.
+        self.no_mask = torch.ones(self.B, 1, 1, 1, dtype=torch.bool, device=self.device)
+        self.scores: torch.Tensor | None = None
+        if output_scores:
+            vocab = model.get_output_embeddings().weight.shape[0]
+            self.scores = torch.zeros(self.B, self.T, vocab, dtype=torch.float32, device=self.device)
+        self.graphs: dict[str, torch.cuda.CUDAGraph] = {}
+        self.seen: set[str] = set()
+
+    def prefill(self, input_ids: torch.Tensor, mask: torch.Tensor) -> None:
+        positions = (mask.cumsum(1) - 1).clamp(min=0)
+        kwargs: dict[str, Any] = dict(attention_mask=mask, position_ids=positions, past_key_values=self.cache, use_cache=True)
+        if "logits_to_keep" in self.accepts:
+            kwargs["logits_to_keep"] = 1
+        if "cache_position" in self.accepts:
+            kwargs["cache_position"] = torch.arange(self.P, device=self.device)
+        logits = self.model(input_ids=input_ids, **kwargs).logits[:, -1]
+        self.positions.copy_(positions[:, -1] + 1)
+        self._emit(logits, torch.zeros(1, dtype=torch.long, device=self.device))
+        self.cache.write_pos = self.ctx.write_pos
+        for layer in self.handle.records:
+            self.handle.records[layer] = StepRecord(self.T - 1, self.ctx.counter)
+
+    def _emit(self, logits: torch.Tensor, index: torch.Tensor) -> None:
+        """Pick and store the new token of every row at ``index`` (device); after a row's EOS the pad token."""
+        if self.scores is not None:
+            self.scores.index_copy_(1, index, logits.float()[:, None])
+        token = self.sampler(logits)
+        token = torch.where(self.done, torch.full_like(token, self.pad), token)
+        self.out.index_copy_(1, index, token[:, None])
+        self.tokens.copy_(token)
+        if self.eos is not None:
+            hit = torch.isin(token, self.eos) & ~self.done
+            self.finished_at.copy_(torch.where(hit, index.expand_as(self.finished_at), self.finished_at))
+            self.done |= hit
+
+    def _step(self) -> None:
+        """One token for every row: the model, the next token, the loop's device counters."""
+        kwargs: dict[str, Any] = dict(attention_mask=self.no_mask, position_ids=self.positions[:, None], past_key_values=self.cache, use_cache=True)
+        if "cache_position" in self.accepts:
+            kwargs["cache_position"] = self.ctx.write_pos
+        logits = self.model(input_ids=self.tokens[:, None], **kwargs).logits[:, -1]
+        self._emit(logits, self.ctx.counter + 1)
+        self.positions += 1
+        self.ctx.advance()
+
+    def decode(self, step: int) -> None:
+        self.ctx.step = step
+        phase = self.handle.method.decode_phase(step)
+        graph = self.graphs.get(phase)
+        if graph is not None:
+            graph.replay()
+        elif self.use_graphs and phase in self.seen:
+            # Second step of this phase: the first ran eagerly (compiling kernels), capture now and replay.
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self._step()
+            self.graphs[phase] = graph
+            graph.replay()
+        else:
+            self.seen.add(phase)
+            self._step()
+
+
+def generate(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    method: Method | None = None,
+    *,
+    max_new_tokens: int = 64,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    eos_token_id: int | list[int] | None = None,
+    pad_token_id: int | None = None,
+    cuda_graphs: bool | None = None,
+    decode_backend: str = "auto",
+    check_every: int = 16,
+    output_scores: bool = False,
+) -> GenerationResult:
+    """Generate with ``method`` through the fast decode loop (docs/design.md, "Fast decode path").
+
+    The prompt (left-padded batches allowed) is prefilled exactly into a fixed-size
+    cache; each new token is one step of the whole model, replayed from a CUDA graph
+    per method phase on CUDA (``cuda_graphs=None``: on CUDA) and run eagerly on the
+    CPU. ``Full()`` (the default) is the dense baseline on the same path. Where the
+    model or method cannot use this path (for example ``H2O``), a one-line warning
+    says why and transformers' ``generate`` with ``apply`` runs instead.
+
+    >>> res = generate(model, ids, mask, Sift(tau=0.875, warmup=16), max_new_tokens=128)
+    >>> res.sequences, res.stats.realized_sparsity(post_warmup=True)
+    """
+    method = Full() if method is None else method
+    if not isinstance(method, Method):
+        raise TypeError(f"method must be a siftattention method (Full, TopK, H2O, Sift, Oracle), got {type(method).__name__}")
+    mask = _check_inputs(input_ids, attention_mask, max_new_tokens)
+    config = getattr(model, "config", None)
+    if pad_token_id is None:
+        pad_token_id = getattr(config, "pad_token_id", None)
+        pad_token_id = 0 if pad_token_id is None else pad_token_id
+    eos_token_id = getattr(config, "eos_token_id", None) if eos_token_id is None else eos_token_id
+    sampler = _Sampler(do_sample, temperature, top_k)
+    problem = fast_path_problem(model, method)
+    if problem is not None:
+        warnings.warn(f"siftattention.generate: using transformers' generate ({problem})", stacklevel=2)
+        return _reference_generate(model, input_ids, mask, method, max_new_tokens, do_sample, temperature, top_k, eos_token_id, pad_token_id, decode_backend, problem)
+    use_graphs = input_ids.is_cuda if cuda_graphs is None else bool(cuda_graphs)
+    if use_graphs and not input_ids.is_cuda:
+        raise ValueError("cuda_graphs=True needs the inputs on a CUDA device")
+    handle = apply(model, method, decode_backend=decode_backend)
+    try:
+        handle.reset()
+        loop = _Loop(model, handle, input_ids, mask, max_new_tokens, sampler, _eos_tensor(eos_token_id, input_ids.device), pad_token_id, use_graphs, output_scores)
+        handle.context = loop.ctx
+        with torch.inference_mode():
+            sync = torch.cuda.synchronize if input_ids.is_cuda else (lambda: None)
+            start = time.perf_counter()
+            loop.prefill(input_ids, mask)
+            sync()
+            prefill_s = time.perf_counter() - start
+            steps = 0
+            for step in range(max_new_tokens - 1):
+                if loop.eos is not None and step % check_every == 0 and bool(loop.done.all()):
+                    break
+                loop.decode(step)
+                steps += 1
+            sync()
+            decode_s = time.perf_counter() - start - prefill_s
+    finally:
+        handle.context = None
+        handle.remove()
+    num = torch.minimum(loop.finished_at + 1, torch.full_like(loop.finished_at, max_new_tokens))
+    # Steps after every row had finished are not part of the result (transformers stops there too).
+    used = int(num.max()) - 1
+    for record in handle.records.values():
+        if isinstance(record, StepRecord):
+            record.finish(min(steps, used))
+    new = loop.out[:, : used + 1]
+    return GenerationResult(
+        sequences=torch.cat([input_ids, new], dim=1), new_tokens=new, num_generated=num, stats=handle.stats, fast=True,
+        timings={"prefill_s": prefill_s, "decode_s": decode_s, "decode_steps": steps},
+        scores=None if loop.scores is None else loop.scores[:, : used + 1],
+    )
+
+
+def _reference_generate(model, input_ids, mask, method, max_new_tokens, do_sample, temperature, top_k, eos_token_id, pad_token_id, backend, reason) -> GenerationResult:
+    """transformers' ``generate`` with the method applied: the fallback of ``generate``."""
+    with apply(model, method, decode_backend=backend) as handle, torch.inference_mode():
+        start = time.perf_counter()
+        kwargs = dict(do_sample=do_sample, pad_token_id=pad_token_id, eos_token_id=eos_token_id, max_new_tokens=max_new_tokens, min_new_tokens=0)
+        if do_sample:
+            kwargs.update(temperature=temperature, top_k=top_k or 0, top_p=1.0)
+        out = model.generate(input_ids=input_ids, attention_mask=mask, **kwargs)
+        elapsed = time.perf_counter() - start
+    new = out[:, input_ids.shape[1] :]
+    eos = _eos_tensor(eos_token_id, new.device)
+    num = torch.full((new.shape[0],), new.shape[1], dtype=torch.long, device=new.device)
+    if eos is not None and new.numel():
+        hit = torch.isin(new, eos)
+        first = torch.where(hit.any(1), hit.int().argmax(1) + 1, num)
+        num = first
+    return GenerationResult(out, new, num, handle.stats, fast=False, fallback_reason=reason, timings={"total_s": elapsed})

@@ -1,0 +1,165 @@
+"""The fast decode loop (siftattention.generation) against transformers and the row-wise reference."""
+
+import warnings
+
+import pytest
+import torch
+
+from conftest import tiny_llama, tiny_qwen2
+from siftattention import H2O, AlreadyAppliedError, Full, Oracle, Sift, TopK, apply
+from siftattention.generation import generate
+
+NEW = 14
+
+
+def _model(factory):
+    model = factory()
+    # The pad token's embedding row starts at zero (padding_idx): a generated pad token would then
+    # attend uniformly, and exact probability ties make top-k's choice of keys arbitrary.
+    with torch.no_grad():
+        model.get_input_embeddings().weight[0].normal_()
+    return model
+
+
+def _left_padded_batch(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 96, (3, 13), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    mask[2, :9] = 0
+    return ids.masked_fill(mask == 0, 0), mask
+
+
+def _reference(model, ids, mask, method, new=NEW):
+    """transformers' generate with the method's row-wise ``select`` path (an independent reference)."""
+    with apply(model, method, decode_backend=None) as handle:
+        out = model.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0,
+            eos_token_id=None, output_scores=True, return_dict_in_generate=True,
+        )
+    return out.sequences, torch.stack(out.scores, 1).log_softmax(-1), handle.stats
+
+
+@pytest.mark.parametrize("factory", [tiny_llama, tiny_qwen2], ids=["llama", "qwen2"])
+def test_dense_fast_path_equals_transformers_generate(factory):
+    model = _model(factory)
+    ids, mask = _left_padded_batch()
+    with torch.no_grad():
+        ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=0, eos_token_id=None)
+    res = generate(model, ids, mask, Full(), max_new_tokens=NEW, pad_token_id=0, eos_token_id=-1)
+    assert res.fast
+    assert torch.equal(res.sequences, ref)
+    assert model.config._attn_implementation == "sdpa" and "generate" not in model.__dict__
+
+
+@pytest.mark.parametrize("factory", [tiny_llama, tiny_qwen2], ids=["llama", "qwen2"])
+@pytest.mark.parametrize(
+    "method",
+    [Full(), TopK(k=0.3), Sift(tau=0.6, warmup=5), Sift(tau=0.7, warmup=4, renormalize=True), Oracle(tau=0.6)],
+    ids=["full", "topk", "sift", "sift-renorm", "oracle"],
+)
+def test_fast_path_matches_the_reference_path(factory, method):
+    """Same tokens and per-step log-probs (fp32) for a left-padded batch; Sift's warmup ends mid-generation."""
+    model = _model(factory)
+    ids, mask = _left_padded_batch()
+    ref_seq, ref_logp, ref_stats = _reference(model, ids, mask, method)
+    res = generate(model, ids, mask, method, max_new_tokens=NEW, pad_token_id=0, eos_token_id=-1, output_scores=True)
+    assert torch.equal(res.sequences, ref_seq)
+    assert (res.scores.log_softmax(-1) - ref_logp).abs().max().item() <= 1e-4
+    if not method.always_exact:
+        assert res.stats.realized_sparsity() == pytest.approx(ref_stats.realized_sparsity(), abs=1e-12)
+        post = res.stats.realized_sparsity(post_warmup=True)
+        assert post == pytest.approx(ref_stats.realized_sparsity(post_warmup=True), abs=1e-12) and post > 0.05
+        assert torch.allclose(res.stats.realized_sparsity(per_sequence=True), ref_stats.realized_sparsity(per_sequence=True))
+    if isinstance(method, Sift):
+        for attr in ("alpha", "beta", "thetas"):
+            assert torch.allclose(getattr(res.stats, attr), getattr(ref_stats, attr), rtol=1e-5, atol=1e-7), attr
+
+
+class _KeepAllSift(Sift):
+    """Sift whose fitted threshold is 0 (alpha = 0), so every key passes the filter."""
+
+    def _fit(self, state, which):
+        super()._fit(state, which)
+        state.alpha.zero_()
+
+
+def test_sift_that_keeps_everything_generates_full_tokens():
+    model = _model(tiny_llama)
+    ids, mask = _left_padded_batch(seed=3)
+    full = generate(model, ids, mask, Full(), max_new_tokens=NEW, eos_token_id=-1)
+    keep_all = _KeepAllSift(tau=0.5, warmup=3)
+    res = generate(model, ids, mask, keep_all, max_new_tokens=NEW, eos_token_id=-1)
+    assert torch.equal(res.sequences, full.sequences)
+    assert res.stats.realized_sparsity(post_warmup=True) == pytest.approx(0.0, abs=1e-12)
+    assert res.stats.step_count(post_warmup=True) == 3 * (NEW - 1 - 3)
+
+
+def test_eos_stops_rows_and_pads_after_them():
+    model = _model(tiny_llama)
+    ids, mask = _left_padded_batch(seed=5)
+    free = generate(model, ids, mask, Full(), max_new_tokens=NEW, eos_token_id=-1)
+    eos = int(free.new_tokens[1, 3])  # row 1 emits it at step 3 at the latest
+    res = generate(model, ids, mask, Full(), max_new_tokens=NEW, eos_token_id=eos, pad_token_id=0)
+    with torch.no_grad():
+        ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=0, eos_token_id=eos)
+    assert torch.equal(res.sequences, ref)
+    assert int(res.num_generated[1]) <= 4
+
+
+def test_methods_without_a_device_step_fall_back_with_one_warning():
+    model = _model(tiny_llama)
+    ids, mask = _left_padded_batch(seed=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        res = generate(model, ids, mask, H2O(k=0.5), max_new_tokens=6, eos_token_id=-1)
+    messages = [str(w.message) for w in caught if "siftattention" in str(w.message)]
+    assert len(messages) == 1 and "h2o" in messages[0] and "\n" not in messages[0]
+    assert not res.fast and res.fallback_reason
+    ref_seq, _, _ = _reference(model, ids, mask, H2O(k=0.5), new=6)
+    assert torch.equal(res.sequences, ref_seq)
+
+
+def test_models_without_a_fixed_cache_path_fall_back():
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Gemma2Config(
+        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, attn_logit_softcapping=50.0, sliding_window=8, pad_token_id=0,
+    )
+    model = Gemma2ForCausalLM(cfg).eval()
+    ids, mask = _left_padded_batch(seed=2)
+    with pytest.warns(UserWarning, match="soft-capping"):
+        res = generate(model, ids, mask, Sift(tau=0.6, warmup=3), max_new_tokens=5, eos_token_id=-1)
+    assert not res.fast
+    ref_seq, _, _ = _reference(model, ids, mask, Sift(tau=0.6, warmup=3), new=5)
+    assert torch.equal(res.sequences, ref_seq)
+
+
+def test_one_handle_per_model_also_on_the_fast_path():
+    model = _model(tiny_llama)
+    ids, mask = _left_padded_batch()
+    previous = model.config._attn_implementation
+    with apply(model, Sift(tau=0.6, warmup=4)) as outer:
+        with pytest.raises(AlreadyAppliedError, match="remove that handle"):
+            apply(model, TopK(k=0.5))
+        with pytest.raises(AlreadyAppliedError):
+            generate(model, ids, mask, Full(), max_new_tokens=3)
+        assert model.config._attn_implementation == outer.name  # the first handle still runs
+    assert model.config._attn_implementation == previous and "generate" not in model.__dict__
+    res = generate(model, ids, mask, Full(), max_new_tokens=3, eos_token_id=-1)
+    assert res.fast and model.config._attn_implementation == previous and "generate" not in model.__dict__
+
+
+def test_bad_inputs_fail_before_any_work():
+    model = _model(tiny_llama)
+    ids, mask = _left_padded_batch()
+    right_padded = mask.flip(1)
+    with pytest.raises(ValueError, match="left padding"):
+        generate(model, ids, right_padded, Full(), max_new_tokens=3)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        generate(model, ids, mask, Full(), max_new_tokens=0)
+    with pytest.raises(TypeError, match="siftattention method"):
+        generate(model, ids, mask, "sift", max_new_tokens=3)
+    assert model.config._attn_implementation == "sdpa"
