@@ -237,11 +237,185 @@ def test_validation_errors():
             sift_decode(q, k, k, eta, backend="triton")
 
 
+# ----------------------------------------------------------------------------- planned kernels (DecodeKernels)
+
+
+def ref_range(q, k, v, eta, scale, seq_lens, starts, renormalize=False, tau=None):
+    """float64 reference over the valid keys [start, seq_len) of each row.
+
+    Keeps ``p > eta``, every key where ``eta <= 0``, and the first maximum. Returns
+    (out, kept, dense out, theta at ``tau`` or None).
+    """
+    B, Hq, D = q.shape
+    G = Hq // k.shape[1]
+    out = torch.zeros(B, Hq, D, dtype=torch.float64)
+    dense = torch.zeros(B, Hq, D, dtype=torch.float64)
+    kept = torch.zeros(B, Hq, dtype=torch.int32)
+    theta = torch.zeros(B, Hq, dtype=torch.float64)
+    for b in range(B):
+        lo, hi = int(starts[b]), int(seq_lens[b])
+        for h in range(Hq):
+            kk, vv = k[b, h // G, lo:hi].double(), v[b, h // G, lo:hi].double()
+            s = (kk @ q[b, h].double()) * scale
+            p = torch.softmax(s, dim=0)
+            e = float(eta[b, h])
+            keep = (p > e) | torch.tensor(e <= 0)
+            keep[int(torch.argmax(s))] = True
+            w = torch.where(keep, p, torch.zeros_like(p))
+            if renormalize:
+                w = w / w.sum()
+            out[b, h] = w @ vv
+            dense[b, h] = p @ vv
+            kept[b, h] = int(keep.sum())
+            if tau is not None:
+                theta[b, h] = torch.quantile(p, tau)
+    return out, kept, dense, (theta if tau is not None else None)
+
+
+def range_case(B, Hq, Hkv, S, D, dtype, gen):
+    """Random peaky inputs with ragged [start, seq_len): a full row, a one-key row, random rows."""
+    q, k, v, _ = make_case(B, Hq, Hkv, S, D, dtype, gen, ragged=False)
+    seq_lens = torch.randint(2, S + 1, (B,), generator=gen)
+    starts = (torch.rand(B, generator=gen) * (seq_lens - 1)).long()
+    seq_lens[0], starts[0] = S, 0
+    if B > 1:
+        starts[1] = seq_lens[1] - 1
+    return q, k, v, seq_lens.int(), starts.int()
+
+
+EDGE_ETAS = (-1.0, 0.0, 1.0, 2.5, float("nan"))
+
+
+def range_eta(q, k, scale, seq_lens, starts, gen):
+    """Per head: a threshold midway between two sorted probabilities, or an edge value."""
+    B, Hq, _ = q.shape
+    G = Hq // k.shape[1]
+    eta = torch.zeros(B, Hq)
+    for b in range(B):
+        lo, hi = int(starts[b]), int(seq_lens[b])
+        for h in range(Hq):
+            i = b * Hq + h
+            if i % 2 == 1:
+                eta[b, h] = EDGE_ETAS[(i // 2) % len(EDGE_ETAS)]
+                continue
+            p = torch.sort(torch.softmax((k[b, h // G, lo:hi].double() @ q[b, h].double()) * scale, 0)).values
+            r = int(torch.randint(0, max(1, p.numel() - 1), (1,), generator=gen))
+            eta[b, h] = float((p[r] + p[min(r + 1, p.numel() - 1)]) / 2) if p.numel() > 1 else 0.5
+    return eta
+
+
+# B, Hq, Hkv, S, D, dtype: GQA group sizes 1, 2, 4, 8, odd S
+PLAN_CASES = [
+    (3, 4, 4, 37, 64, "float32"),
+    (3, 8, 4, 29, 32, "float16"),
+    (2, 8, 2, 53, 64, "bfloat16"),
+    (2, 16, 2, 41, 32, "float32"),
+]
+
+
+def plan_results(device: str, backend: str, cases, config=None, seed_base: int = 31) -> list[dict]:
+    """DecodeKernels sparse / dense / warmup on ``cases`` against the float64 reference."""
+    from siftattention.kernels import DecodeKernels
+
+    res = []
+    for i, (B, Hq, Hkv, S, D, dt) in enumerate(cases):
+        gen = torch.Generator().manual_seed(seed_base + i)
+        dtype = getattr(torch, dt)
+        q, k, v, sl, st = range_case(B, Hq, Hkv, S, D, dtype, gen)
+        scale = D**-0.5
+        eta = range_eta(q, k, scale, sl, st, gen)
+        tau = 0.75
+        for renorm in (False, True):
+            ref, ref_kept, ref_dense, ref_th = ref_range(q, k, v, eta, scale, sl, st, renorm, tau)
+            kern = DecodeKernels.plan(batch=B, q_heads=Hq, kv_heads=Hkv, max_len=S, head_dim=D, dtype=dtype,
+                                      device=device, scale=scale, renormalize=renorm, backend=backend, config=config)
+            torch_kern = DecodeKernels.plan(batch=B, q_heads=Hq, kv_heads=Hkv, max_len=S, head_dim=D, dtype=dtype,
+                                            device=device, scale=scale, renormalize=renorm, backend="torch")
+            dev = lambda x: x.to(device)  # noqa: E731
+            args = (dev(q), dev(k), dev(v))
+            out, kept = kern.sparse(*args, dev(eta), dev(sl), dev(st))
+            _, kept_t = torch_kern.sparse(*args, dev(eta), dev(sl), dev(st))
+            row = dict(case=i, dtype=dt, renorm=renorm, backend=backend, err=rel(out.cpu(), ref),
+                       kept_equal=bool(torch.equal(kept.cpu(), ref_kept)),
+                       kept_equal_torch=bool(torch.equal(kept.cpu(), kept_t.cpu())),
+                       dtypes_ok=out.dtype == dtype and kept.dtype == torch.int32)
+            if not renorm:  # dense, warmup and full ranges do not depend on renormalize
+                dense = kern.dense(*args, dev(sl), dev(st))
+                w_out, theta = kern.warmup(*args, tau, dev(sl), dev(st))
+                full = torch.full((B,), S, dtype=torch.int32)
+                ref_f, ref_kept_f, ref_dense_f, _ = ref_range(q, k, v, eta, scale, full, torch.zeros(B, dtype=torch.int32))
+                out_f, kept_f = kern.sparse(*args, dev(eta), dev(full))  # no starts
+                dense_f = kern.dense(*args, dev(full))
+                row.update(
+                    dense_err=rel(dense.cpu(), ref_dense), warm_err=rel(w_out.cpu(), ref_dense),
+                    theta_rel=float(((theta.cpu().double() - ref_th).abs() / ref_th).max()),
+                    full_err=rel(out_f.cpu(), ref_f), full_kept_equal=bool(torch.equal(kept_f.cpu(), ref_kept_f)),
+                    full_dense_err=rel(dense_f.cpu(), ref_dense_f),
+                    dtypes_ok=row["dtypes_ok"] and dense.dtype == dtype and theta.dtype == torch.float32,
+                )
+            row["sync_zero"] = bool((kern.workspace.sync == 0).all()) if backend == "triton" else True
+            res.append(row)
+    return res
+
+
+def check_plan_rows(rows, n_expected):
+    assert len(rows) == n_expected
+    for r in rows:
+        tol = 1e-5 if r["dtype"] == "float32" else 1e-2
+        assert r["err"] < tol and r["kept_equal"] and r["kept_equal_torch"], r
+        if not r["renorm"]:
+            for key in ("dense_err", "warm_err", "full_err", "full_dense_err"):
+                assert r[key] < tol, (key, r)
+            assert r["full_kept_equal"] and r["theta_rel"] < 1e-5, r
+        assert r["dtypes_ok"] and r["sync_zero"], r
+
+
+def test_plan_torch_backend_matches_float64():
+    check_plan_rows(plan_results("cpu", "torch", PLAN_CASES), 2 * len(PLAN_CASES))
+
+
+def test_plan_argument_checks():
+    from siftattention.kernels import DecodeKernels
+
+    ok = dict(batch=2, q_heads=8, kv_heads=2, max_len=16, head_dim=64, dtype=torch.float32, device="cpu", scale=0.125)
+    assert DecodeKernels.plan(**ok).backend == "torch"  # auto on CPU
+    for bad, match in ((dict(kv_heads=3), "multiple"), (dict(batch=0), "batch"), (dict(dtype=torch.float64), "dtype"),
+                       (dict(scale=float("nan")), "scale"), (dict(backend="cuda"), "unknown backend")):
+        with pytest.raises(ValueError, match=match):
+            DecodeKernels.plan(**{**ok, **bad})
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        with pytest.raises(ValueError, match="triton"):
+            DecodeKernels.plan(**ok, backend="triton")
+
+
+def test_functional_api_eta_edges_and_starts():
+    """sift_decode: NaN eta is an error; edge values and starts follow the reference."""
+    gen = torch.Generator().manual_seed(41)
+    q, k, v, sl, st = range_case(3, 8, 2, 31, 64, torch.float32, gen)
+    with pytest.raises(ValueError, match="NaN"):
+        sift_decode(q, k, v, float("nan"), backend="torch")
+    with pytest.raises(ValueError, match="NaN"):
+        sift_decode(q, k, v, torch.full((3, 8), float("nan")), backend="torch")
+    with pytest.raises(ValueError, match="starts must be"):
+        sift_decode(q, k, v, 0.1, seq_lens=sl, starts=st[:2], backend="torch")
+    for e in (-1.0, 0.0, 1.0, 2.5):
+        eta = torch.full((3, 8), e)
+        out, kept = sift_decode(q, k, v, eta, seq_lens=sl, starts=st, backend="torch")
+        ref, ref_kept, _, _ = ref_range(q, k, v, eta, 0.125, sl, st)
+        assert rel(out, ref) < 1e-5 and torch.equal(kept, ref_kept)
+        n = (sl - st)[:, None].expand(3, 8)
+        assert torch.equal(kept, n.int() if e <= 0 else torch.ones_like(kept))
+    out, th = sift_warmup_decode(q, k, v, 0.5, seq_lens=sl, starts=st, backend="torch")
+    _, _, ref_dense, ref_th = ref_range(q, k, v, torch.zeros(3, 8), 0.125, sl, st, tau=0.5)
+    assert rel(out, ref_dense) < 1e-5 and torch.allclose(th.double(), ref_th, rtol=1e-5, atol=0)
+
+
 # ----------------------------------------------------------------------------- triton (interpreter)
 
 # (B, Hq, Hkv, S, D, dtype, config overrides). Small blocks and splits so that odd
 # lengths cross tile, split and compaction boundaries.
-SMALL = dict(block_n1=16, block_n2=16, block_a=32, scan_elems=0, min_split1=16, min_split2=16, quantile_block=32)
+SMALL = dict(block_n1=16, block_n2=16, block_a=32, scan_elems=0, min_split1=16, min_split2=16, quantile_block=32,
+             block_nd=16, min_splitd=16)
 TRITON_CASES = [
     (2, 4, 4, 37, 64, "float32", {}),
     (2, 4, 4, 45, 64, "float16", {"scan_elems": 64, "reuse_sync": False}),  # MHA scan rows of 64 keys
@@ -295,8 +469,8 @@ def _triton_worker() -> dict:
     q, k, v, sl = make_case(1, 4, 4, 20, 64, torch.float32, gen)
     real = triton_decode.filter_pass
 
-    def failing(st, *a, **kw):
-        st["sync"].fill_(7)
+    def failing(geo, ws, *a, **kw):
+        ws.sync[:2].fill_(7)  # the counters a scores pass advances
         raise RuntimeError("launch failed")
 
     triton_decode.filter_pass = failing
@@ -307,6 +481,7 @@ def _triton_worker() -> dict:
     finally:
         triton_decode.filter_pass = real
     res["sync_nonzero_after_failure"] = sum(int(b.count_nonzero()) for b in triton_decode._SYNC.values())
+    res["plan"] = plan_results("cpu", "triton", PLAN_CASES, KernelConfig(**SMALL))
     return res
 
 
@@ -355,6 +530,85 @@ def test_triton_warmup_quantile_exact_scores(triton_results):
     assert len(rows) == 5
     for r in rows:
         assert math.isfinite(r["ulps"]) and r["ulps"] <= 8, r
+
+
+def test_triton_plan_matches_float64(triton_results):
+    check_plan_rows(triton_results["plan"], 2 * len(PLAN_CASES))
+
+
+# ----------------------------------------------------------------------------- CUDA (skipped without a GPU)
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+CUDA_CASES = PLAN_CASES + [(2, 32, 8, 3001, 128, "float16"), (1, 32, 8, 20011, 128, "bfloat16"),
+                           (4, 32, 32, 1500, 128, "float16")]
+
+
+@needs_cuda
+def test_cuda_plan_matches_float64():
+    check_plan_rows(plan_results("cuda", "triton", CUDA_CASES), 2 * len(CUDA_CASES))
+
+
+@needs_cuda
+def test_cuda_graph_capture_of_plans():
+    """Two plans and one plan used twice, all three steps, captured in one CUDA graph on one
+    stream; replayed on two fresh input sets (the counters must be back at zero in between)."""
+    from siftattention.kernels import DecodeKernels
+
+    dev = torch.device("cuda")
+    shapes = [(2, 32, 8, 2000, 128), (3, 8, 8, 777, 64)]
+    plans, static = [], []
+    for (B, Hq, Hkv, S, D) in shapes:
+        plans.append(DecodeKernels.plan(batch=B, q_heads=Hq, kv_heads=Hkv, max_len=S, head_dim=D, dtype=torch.float16,
+                                        device=dev, scale=D**-0.5))
+        for _ in range(2):  # two "layers" of this shape share its plan
+            static.append(dict(q=torch.empty(B, Hq, D, dtype=torch.float16, device=dev),
+                               k=torch.empty(B, Hkv, S, D, dtype=torch.float16, device=dev),
+                               v=torch.empty(B, Hkv, S, D, dtype=torch.float16, device=dev),
+                               eta=torch.empty(B, Hq, device=dev), sl=torch.empty(B, dtype=torch.int32, device=dev),
+                               st=torch.empty(B, dtype=torch.int32, device=dev)))
+    owners = [0, 0, 1, 1]
+    gen = torch.Generator().manual_seed(51)
+
+    def fill():
+        refs = []
+        for x, o in zip(static, owners):
+            B, Hq, Hkv, S, D = shapes[o]
+            q, k, v, sl, st = range_case(B, Hq, Hkv, S, D, torch.float16, gen)
+            eta = range_eta(q, k, D**-0.5, sl, st, gen)
+            for name, val in (("q", q), ("k", k), ("v", v), ("eta", eta), ("sl", sl), ("st", st)):
+                x[name].copy_(val)
+            refs.append(ref_range(q, k, v, eta, D**-0.5, sl, st, tau=0.875))
+        return refs
+
+    def step():
+        outs = []
+        for x, o in zip(static, owners):
+            kern = plans[o]
+            out, kept = kern.sparse(x["q"], x["k"], x["v"], x["eta"], x["sl"], x["st"])
+            dense = kern.dense(x["q"], x["k"], x["v"], x["sl"], x["st"])
+            w_out, theta = kern.warmup(x["q"], x["k"], x["v"], 0.875, x["sl"], x["st"])
+            outs.append((out, kept, dense, w_out, theta))
+        return outs
+
+    fill()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # compile and warm up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        outs = step()
+    for _ in range(2):
+        refs = fill()
+        graph.replay()
+        torch.cuda.synchronize()
+        for (out, kept, dense, w_out, theta), (ref, ref_kept, ref_dense, ref_th) in zip(outs, refs):
+            assert rel(out.cpu(), ref) < 1e-2 and torch.equal(kept.cpu(), ref_kept)
+            assert rel(dense.cpu(), ref_dense) < 1e-2 and rel(w_out.cpu(), ref_dense) < 1e-2
+            assert float(((theta.cpu().double() - ref_th).abs() / ref_th).max()) < 1e-5
+    for kern in plans:
+        assert bool((kern.workspace.sync == 0).all())
 
 
 if __name__ == "__main__" and "--triton-worker" in sys.argv:

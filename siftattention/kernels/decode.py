@@ -1,25 +1,27 @@
 """Public decode entry points: validation and backend dispatch (thin wrappers).
 
 Semantics (DESIGN.md, "Semantics"): ``p = softmax(scale * q.k)`` over the valid keys
-of each (batch, query head) row; keep keys with ``p > eta``, and always the row's
-maximum; the output is ``sum_kept p_i v_i`` with the full-softmax normaliser, or
-divided by the kept mass with ``renormalize=True``.
+of each (batch, query head) row (positions ``[starts[b], seq_lens[b])``); keep keys
+with ``p > eta`` (every key where ``eta <= 0``), and always the row's maximum; the
+output is ``sum_kept p_i v_i`` with the full-softmax normaliser, or divided by the kept
+mass with ``renormalize=True``.
 
-Nothing here reads a tensor value on the host: eta, tau and seq_lens may be computed
-on the device every step without a synchronisation.
+These functions validate every call; ``DecodeKernels`` (plan.py) is the planned form
+for loops that run one shape many times (and CUDA graphs). Apart from ``sift_decode``'s
+NaN check on eta (skipped while a CUDA graph is being captured), nothing here reads a
+tensor value on the host: eta, tau, seq_lens and starts may be computed on the device
+every step.
 """
 
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
+from .plan import DTYPES as _DTYPES
+from .plan import resolve_backend
 from .torch_ref import sift_decode_torch, sift_warmup_decode_torch
-
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_BACKENDS = ("auto", "torch", "triton")
 
 
 def logit_threshold(eta: torch.Tensor | float, row_max: torch.Tensor, sum_exp: torch.Tensor) -> torch.Tensor:
@@ -38,29 +40,8 @@ def logit_threshold(eta: torch.Tensor | float, row_max: torch.Tensor, sum_exp: t
     return row_max + torch.log(eta_t) + torch.log(sum_exp)
 
 
-def _triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def _resolve_backend(backend: str, q: torch.Tensor) -> str:
-    if backend not in _BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; expected one of {_BACKENDS}")
-    if backend == "auto":
-        return "triton" if q.is_cuda and _triton_available() else "torch"
-    if backend == "triton":
-        if not _triton_available():
-            raise ValueError("backend='triton' needs the triton package")
-        if not q.is_cuda and not _interpreting():
-            raise ValueError("backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 on CPU)")
-    return backend
+    return resolve_backend(backend, q.device)
 
 
 def _check_common(
@@ -69,7 +50,8 @@ def _check_common(
     v_cache: torch.Tensor,
     scale: float | None,
     seq_lens: torch.Tensor | None,
-) -> tuple[float, torch.Tensor | None]:
+    starts: torch.Tensor | None = None,
+) -> tuple[float, torch.Tensor | None, torch.Tensor | None]:
     if q.dim() != 3:
         raise ValueError(f"q must be [B, Hq, D], got shape {tuple(q.shape)}")
     if k_cache.dim() != 4 or v_cache.dim() != 4:
@@ -95,18 +77,24 @@ def _check_common(
         raise ValueError(f"dtypes differ: q {q.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}")
     if not (q.device == k_cache.device == v_cache.device):
         raise ValueError("q, k_cache and v_cache must be on one device")
-    if seq_lens is not None:
-        if seq_lens.shape != (B,):
-            raise ValueError(f"seq_lens must be [B] = [{B}], got {tuple(seq_lens.shape)}")
-        if seq_lens.dtype.is_floating_point or seq_lens.dtype == torch.bool or seq_lens.is_complex():
-            raise ValueError(f"seq_lens must be an integer tensor, got {seq_lens.dtype}")
-        if seq_lens.device != q.device:
-            raise ValueError("seq_lens must be on the same device as q")
-        # Values are not checked (that would sync): they must lie in [1, S_max].
-        seq_lens = seq_lens.to(torch.int32).contiguous()
+    # Values are not checked (that would sync): 0 <= starts < seq_lens <= S_max.
+    seq_lens = _index_vector(seq_lens, "seq_lens", B, q.device)
+    starts = _index_vector(starts, "starts", B, q.device)
     if scale is None:
         scale = D**-0.5
-    return float(scale), seq_lens
+    return float(scale), seq_lens, starts
+
+
+def _index_vector(x: torch.Tensor | None, name: str, B: int, device: torch.device) -> torch.Tensor | None:
+    if x is None:
+        return None
+    if not isinstance(x, torch.Tensor) or x.shape != (B,):
+        raise ValueError(f"{name} must be [B] = [{B}], got {tuple(getattr(x, 'shape', ()))}")
+    if x.dtype.is_floating_point or x.dtype == torch.bool or x.is_complex():
+        raise ValueError(f"{name} must be an integer tensor, got {x.dtype}")
+    if x.device != device:
+        raise ValueError(f"{name} must be on the same device as q")
+    return x.to(torch.int32).contiguous()
 
 
 def _per_head(x: torch.Tensor | float, name: str, q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -122,6 +110,20 @@ def _per_head(x: torch.Tensor | float, name: str, q: torch.Tensor, dtype: torch.
     return x.to(dtype).contiguous()
 
 
+def _check_eta_not_nan(eta: torch.Tensor | float) -> None:
+    """NaN eta is an error here. A tensor eta costs one host sync for this check, skipped
+    while a CUDA graph is being captured (``DecodeKernels.sparse`` never checks: there a
+    NaN eta keeps the row maximum only)."""
+    if not isinstance(eta, torch.Tensor):
+        if math.isnan(float(eta)):
+            raise ValueError("eta is NaN")
+        return
+    if eta.is_cuda and torch.cuda.is_current_stream_capturing():
+        return
+    if bool(torch.isnan(eta).any()):
+        raise ValueError("eta holds NaN values")
+
+
 def sift_decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -130,6 +132,7 @@ def sift_decode(
     *,
     scale: float | None = None,
     seq_lens: torch.Tensor | None = None,
+    starts: torch.Tensor | None = None,
     renormalize: bool = False,
     backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,9 +142,14 @@ def sift_decode(
         q: [B, Hq, D] query of the new token.
         k_cache, v_cache: [B, Hkv, S_max, D]; any strides (Hq must be a multiple of Hkv).
         eta: [B, Hq] probability thresholds (float32 on q's device), or one float.
+            ``eta <= 0`` keeps every valid key, ``eta >= 1`` only the row maximum; NaN
+            is an error (checked on the host: one sync for a tensor eta, skipped while
+            a CUDA graph is being captured).
         scale: score scale, default ``D ** -0.5``.
-        seq_lens: [B] valid lengths (keys at positions >= seq_len are ignored);
-            None means S_max. Values must lie in [1, S_max] (not checked: no sync).
+        seq_lens: [B] end of the valid keys (positions >= seq_len are ignored);
+            None means S_max.
+        starts: [B] first valid key (left padding, sliding windows); None means 0.
+            Values must satisfy 0 <= start < seq_len <= S_max (not checked: no sync).
         renormalize: divide by the kept probability mass instead of the full softmax sum.
         backend: "torch" (any device, fp32), "triton" (fused kernel), "auto" (Triton
             on CUDA tensors, torch otherwise).
@@ -153,14 +161,15 @@ def sift_decode(
     call), so calls on one stream need no memset; CUDA graphs that capture it on one
     stream must not be replayed concurrently on several streams.
     """
-    scale_f, seq_lens = _check_common(q, k_cache, v_cache, scale, seq_lens)
+    scale_f, seq_lens, starts = _check_common(q, k_cache, v_cache, scale, seq_lens, starts)
     eta_t = _per_head(eta, "eta", q, torch.float32)
+    _check_eta_not_nan(eta)
     which = _resolve_backend(backend, q)
     if which == "torch":
-        return sift_decode_torch(q, k_cache, v_cache, eta_t, scale_f, seq_lens, renormalize)
+        return sift_decode_torch(q, k_cache, v_cache, eta_t, scale_f, seq_lens, renormalize, starts)
     from .triton_decode import sift_decode_triton
 
-    return sift_decode_triton(q, k_cache, v_cache, eta_t, scale_f, seq_lens, renormalize)
+    return sift_decode_triton(q, k_cache, v_cache, eta_t, scale_f, seq_lens, renormalize, starts=starts)
 
 
 def sift_warmup_decode(
@@ -171,25 +180,27 @@ def sift_warmup_decode(
     *,
     scale: float | None = None,
     seq_lens: torch.Tensor | None = None,
+    starts: torch.Tensor | None = None,
     backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact decode step that also records the tau-quantile of each head's probabilities.
 
     Returns ``out`` [B, Hq, D] (exact attention, q's dtype) and ``theta`` [B, Hq]
-    float32: the tau-quantile of the probabilities over the valid keys, with linear
-    interpolation between order statistics (``torch.quantile``'s default: position
-    ``tau * (n - 1)`` in ascending order). The Triton path finds the order statistics
-    by a counting search over the scores, without sorting.
+    float32: the tau-quantile of the probabilities over the valid keys
+    ``[starts, seq_lens)``, with linear interpolation between order statistics
+    (``torch.quantile``'s default: position ``tau * (n - 1)`` in ascending order,
+    ``n = seq_len - start``). The Triton path finds the order statistics by a counting
+    search over the scores, without sorting.
 
-    ``tau`` is a float in (0, 1) or a [B, Hq] tensor.
+    ``tau`` is a float in [0, 1] or a [B, Hq] tensor.
     """
-    scale_f, seq_lens = _check_common(q, k_cache, v_cache, scale, seq_lens)
-    if not isinstance(tau, torch.Tensor) and not (0.0 <= float(tau) <= 1.0 and math.isfinite(tau)):
+    scale_f, seq_lens, starts = _check_common(q, k_cache, v_cache, scale, seq_lens, starts)
+    if not isinstance(tau, torch.Tensor) and not (math.isfinite(tau) and 0.0 <= float(tau) <= 1.0):
         raise ValueError(f"tau must lie in [0, 1], got {tau}")
     tau_t = _per_head(tau, "tau", q, torch.float64)
     which = _resolve_backend(backend, q)
     if which == "torch":
-        return sift_warmup_decode_torch(q, k_cache, v_cache, tau_t, scale_f, seq_lens)
+        return sift_warmup_decode_torch(q, k_cache, v_cache, tau_t, scale_f, seq_lens, starts)
     from .triton_decode import sift_warmup_decode_triton
 
-    return sift_warmup_decode_triton(q, k_cache, v_cache, tau_t, scale_f, seq_lens)
+    return sift_warmup_decode_triton(q, k_cache, v_cache, tau_t, scale_f, seq_lens, starts=starts)

@@ -1,47 +1,48 @@
 """Triton kernels for the sift decode step (backend="triton").
 
-One query token per sequence, memory bound. The pipeline, per call:
+One query token per sequence, memory bound. Valid keys of batch row b are the
+positions ``[starts[b], seq_lens[b])``; every kernel splits that range (not the
+cache's whole length) into a fixed number of splits, so a short row in a long cache
+keeps the chip busy and a launch plan made once per cache shape serves every step.
 
-1. ``_scores_kernel`` (split-K over the sequence, one program per (split, batch, KV
-   head), all query heads of the GQA group together): reads every K row once,
-   writes float32 scores in the log2 domain (``s2 = scale * log2(e) * q.k``, 4 bytes
-   per key and query head, vs 2*D bytes of K per key) and per-split softmax
-   statistics (max, sum of exp2, first argmax).
-2. ``_quantile_kernel`` (warmup only, one program per (batch, query head)): exact
-   tau-quantile of the probabilities by radix select over the order-preserving
-   32-bit image of the float32 scores (no sort: 4 histogram passes of 8 bits and
-   one pass for the next order statistic).
-3. ``_filter_kernel`` (split-K): merges the split statistics into the row max ``M``
+Sparse step (``sparse``):
+
+1. ``_scores_kernel`` (split-K, one program per (split, batch, KV head), all query
+   heads of the GQA group as one tile, so K is read once per group): writes float32
+   scores in the log2 domain (``s2 = scale * log2(e) * q.k``, 4 bytes per key and
+   query head, vs 2*D bytes of K per key) and per-split softmax statistics (max, sum
+   of exp2, first argmax).
+2. ``_filter_kernel`` (split-K): merges the split statistics into the row max ``M``
    and normaliser ``L``, turns eta into the log2-domain threshold
-   ``M + log2(eta) + log2(L)``, compacts the positions of the rows that some head of
-   the group keeps and gathers only those V rows (or streams with masked V loads
-   when nothing is filtered). Partial outputs are already divided by ``L``, so
-   splits add up: the last split program of each (batch, KV head) sums them,
-   renormalises if asked and writes the output and the kept counts.
-   (``_combine_kernel`` does that step as a separate launch when
-   ``KernelConfig.fused_combine`` is off.) On Hopper the filter kernel is launched
-   with programmatic dependent launch: it is dispatched during the scores kernel's
-   tail and each program waits only for the splits of its own row (a counter the
-   scores programs release), so the V gathers of finished rows overlap the last K
-   reads.
+   ``M + log2(eta) + log2(L)`` (eta <= 0: keep every key; eta >= 1: the maximum
+   only), compacts the positions of the rows that some head of the group keeps and
+   gathers only those V rows (or streams with masked V loads when nothing is
+   filtered). Partial outputs are already divided by ``L``, so splits add up: the
+   last split program of each (batch, KV head) sums them, renormalises if asked and
+   writes the output and the kept counts. On Hopper it is launched with programmatic
+   dependent launch: it is dispatched during the scores kernel's tail and each
+   program waits only for the splits of its own row (a counter the scores programs
+   release), so the V gathers of finished rows overlap the last K reads.
 
-K and V are loaded with an evict-first L2 policy and the scores stored evict-last, so the
-filter pass tends to find them in L2. The two counters per (batch, KV head) that order
-the passes (row arrivals, finished splits) live in one buffer per stream that the
-filter kernel zeroes again at the end, so a call launches no memset.
+Warmup step (``warmup``): the scores kernel, ``_quantile_kernel`` (exact
+tau-quantile of the probabilities by radix select over the order-preserving 32-bit
+image of the float32 scores), then the filter kernel keeping every key.
 
-Bytes moved at realized sparsity s: K + (rows some head of the group keeps) x V +
-8 bytes of scores per key and query head (see benchmarks/NOTES_kernels.md).
+Dense step (``dense``): ``_dense_kernel``, flash-decoding: one pass over K and V per
+split with an online softmax, the last split program of each row combines.
 
-No step reads a tensor value on the host, so the whole call can be captured in a
-CUDA graph and eta can be computed on the device.
+K and V are loaded with an evict-first L2 policy and the scores stored evict-last,
+so the filter pass tends to find them in L2. The counters that order the passes
+(row arrivals, finished splits) live in a workspace buffer that the last program of
+each row zeroes again, so a call launches no memset. No step reads a tensor value
+on the host: every call can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -61,7 +62,7 @@ _INT_MAX = tl.constexpr(2147483647)
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """Launch parameters; the defaults were tuned on an H100 (benchmarks/NOTES_kernels.md)."""
+    """Launch parameters (benchmarks/NOTES_kernels.md); ``config_for`` picks per device."""
 
     block_n1: int = 128  # keys per iteration in the scores pass
     warps1: int = 4
@@ -92,22 +93,45 @@ class KernelConfig:
     # L2 policy: K and V rows are read once (evict first); the float32 scores are read
     # again by the filter pass (evict last), so they may still be in L2 then.
     evict: bool = True
-    # Reuse one zeroed counter buffer per stream (the filter kernel zeroes it again)
-    # instead of a memset per call; needs fused_combine.
+    # Functional API: reuse one zeroed counter buffer per stream (the kernels zero it
+    # again) instead of a memset per call; needs fused_combine.
     reuse_sync: bool = True
+    # Dense (flash-decoding) kernel.
+    block_nd: int = 64
+    warpsd: int = 4
+    stagesd: int = 3
+    programsd: int = 4
+    min_splitd: int = 512
 
 
-_DEVICES: dict[int, tuple[int, bool]] = {}
+# Per-device defaults: the first entry whose key is in the device name wins. The H100
+# values are the v10 tuning (BENCHMARKS.md); H200 values from the H200 grid.
+DEVICE_CONFIGS: dict[str, dict] = {}
+_DEFAULT = KernelConfig()
 
 
-def _device_info(device: torch.device) -> tuple[int, bool]:
-    """(SM count, Hopper or newer) of a device, read once."""
+def config_for(device: torch.device) -> KernelConfig:
+    """The launch parameters for a device (``_DEFAULT`` with its device overrides)."""
     if device.type != "cuda":
-        return 4, False  # interpreter: a few splits so tests exercise the combine step
+        return _DEFAULT
+    name = _device_info(device)[2]
+    for key, over in DEVICE_CONFIGS.items():
+        if key in name:
+            return replace(_DEFAULT, **over)
+    return _DEFAULT
+
+
+_DEVICES: dict[int, tuple[int, bool, str]] = {}
+
+
+def _device_info(device: torch.device) -> tuple[int, bool, str]:
+    """(SM count, Hopper or newer, name) of a device, read once."""
+    if device.type != "cuda":
+        return 4, False, "cpu"  # interpreter: a few splits so tests exercise the combine step
     idx = device.index if device.index is not None else torch.cuda.current_device()
     if idx not in _DEVICES:
         props = torch.cuda.get_device_properties(idx)
-        _DEVICES[idx] = (props.multi_processor_count, props.major >= 9)
+        _DEVICES[idx] = (props.multi_processor_count, props.major >= 9, props.name)
     return _DEVICES[idx]
 
 
@@ -120,21 +144,18 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _split(
-    s_max: int, rows: int, block_n: int, programs_per_sm: int, sms: int, min_len: int, fill: int
-) -> tuple[int, int]:
-    """(split length, number of splits).
+def _splits(s_max: int, rows: int, block_n: int, programs_per_sm: int, sms: int, min_len: int, fill: int) -> int:
+    """Number of splits per row for a cache of ``s_max`` keys.
 
     Aim for ``programs_per_sm`` programs per SM with splits of at least ``min_len``
     keys, but never fewer than ``fill`` programs per SM while the sequence allows
     (few rows, i.e. small batch or few KV heads, need short splits to fill the chip).
+    The kernels divide each row's valid range into this many splits at run time.
     """
     n_blocks = _cdiv(s_max, block_n)
     want = min(_cdiv(programs_per_sm * sms, rows), _cdiv(s_max, min_len))
     want = max(1, want, _cdiv(fill * sms, rows))
-    splits = min(want, n_blocks)
-    split_len = _cdiv(n_blocks, splits) * block_n
-    return split_len, _cdiv(s_max, split_len)
+    return min(want, n_blocks)
 
 
 @functools.lru_cache(maxsize=256)
@@ -143,8 +164,10 @@ def _plan(
 ) -> dict:
     """Launch geometry for one problem shape, computed once (host time matters at decode)."""
     G = Hq // Hkv
-    split1, ns1 = _split(S, B * Hkv, cfg.block_n1, cfg.programs1, sms, cfg.min_split1, cfg.fill)
-    split2, ns2 = _split(S, B * Hkv, cfg.block_n2, cfg.programs2, sms, cfg.min_split2, cfg.fill)
+    rows = B * Hkv
+    ns1 = _splits(S, rows, cfg.block_n1, cfg.programs1, sms, cfg.min_split1, cfg.fill)
+    ns2 = _splits(S, rows, cfg.block_n2, cfg.programs2, sms, cfg.min_split2, cfg.fill)
+    nsd = _splits(S, rows, cfg.block_nd, cfg.programsd, sms, cfg.min_splitd, cfg.fill)
     return dict(
         B=B, Hq=Hq, Hkv=Hkv, S=S, D=D, G=G, use_dot=cfg.use_dot,
         BLOCK_G=max(16, _pow2(G)) if cfg.use_dot else _pow2(G),
@@ -153,10 +176,16 @@ def _plan(
         BLOCK_D=max(16, _pow2(D)),
         prec="ieee" if dtype == torch.float32 else "tf32",
         upcast=dtype == torch.bfloat16 and interp,
-        split1=split1, ns1=ns1, BLOCK_S1=_pow2(ns1), split2=split2, ns2=ns2, BLOCK_S2=_pow2(ns2),
+        ns1=ns1, BLOCK_S1=_pow2(ns1), ns2=ns2, BLOCK_S2=_pow2(ns2), nsd=nsd, BLOCK_SD=_pow2(nsd),
         pdl=cfg.pdl and _HAS_PDL and hopper,
-        reuse_sync=cfg.reuse_sync and cfg.fused_combine,
+        fused=cfg.fused_combine,
     )
+
+
+def geometry(B: int, Hq: int, Hkv: int, S: int, D: int, dtype: torch.dtype, device: torch.device, cfg: KernelConfig) -> dict:
+    interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    sms, hopper, _ = _device_info(device)
+    return _plan(B, Hq, Hkv, S, D, dtype, sms, hopper, interp, cfg)
 
 
 # --------------------------------------------------------------------------- kernels
@@ -172,14 +201,38 @@ def _dot(a, b, PREC: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _row_range(SeqLens, Starts, b, S_MAX, HAS_SEQ_LENS: tl.constexpr, HAS_STARTS: tl.constexpr):
+    """[begin, end) of batch row b's valid keys."""
+    if HAS_SEQ_LENS:
+        end = tl.minimum(tl.load(SeqLens + b), S_MAX)
+    else:
+        end = S_MAX
+    if HAS_STARTS:
+        begin = tl.maximum(tl.load(Starts + b), 0)
+    else:
+        begin = tl.full([], 0, tl.int32)  # a tensor even where S_MAX is specialised to a constant
+    return begin, end
+
+
+@triton.jit
+def _split_range(begin, end, split, NUM_SPLITS, BLOCK: tl.constexpr):
+    """[lo, hi) of one split: the valid range cut into NUM_SPLITS runs of whole BLOCKs."""
+    n_blocks = tl.cdiv(end - begin, BLOCK)
+    per = tl.cdiv(n_blocks, NUM_SPLITS) * BLOCK
+    lo = begin + split * per
+    return lo, tl.minimum(lo + per, end)
+
+
+@triton.jit
 def _scores_kernel(
-    Q, K, Scores, Mst, Lst, Ast, SeqLens, Arrive,
+    Q, K, Scores, Mst, Lst, Ast, SeqLens, Starts, Arrive,
     stride_qb, stride_qh, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
-    qk_scale, S_MAX, SPLIT_LEN, NUM_SPLITS,
+    qk_scale, S_MAX, NUM_SPLITS,
     HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_SEQ_LENS: tl.constexpr, USE_DOT: tl.constexpr, DOT_PREC: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    HAS_SEQ_LENS: tl.constexpr, HAS_STARTS: tl.constexpr,
+    USE_DOT: tl.constexpr, DOT_PREC: tl.constexpr, DOT_UPCAST: tl.constexpr,
     PDL: tl.constexpr, EVICT: tl.constexpr,
 ):
     """Pass 1 over one split of one (batch, KV head): scores and split statistics."""
@@ -203,21 +256,17 @@ def _scores_kernel(
         Q + b.to(tl.int64) * stride_qb + h[:, None] * stride_qh + offs_d[None, :] * stride_qd,
         mask=g_mask[:, None] & d_mask[None, :], other=0.0,
     )
-    if HAS_SEQ_LENS:
-        seq_len = tl.minimum(tl.load(SeqLens + b), S_MAX)
-    else:
-        seq_len = S_MAX
-    start = split * SPLIT_LEN
-    end = tl.minimum(start + SPLIT_LEN, seq_len)
+    begin, end = _row_range(SeqLens, Starts, b, S_MAX, HAS_SEQ_LENS, HAS_STARTS)
+    lo, hi = _split_range(begin, end, split, NUM_SPLITS, BLOCK_N)
 
     k_base = K + b.to(tl.int64) * stride_kb + hkv.to(tl.int64) * stride_kh
     s_base = Scores + row[:, None] * S_MAX
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     a_i = tl.zeros([BLOCK_G], tl.int32)
-    for n0 in range(start, end, BLOCK_N):
+    for n0 in range(lo, hi, BLOCK_N):
         offs = n0 + offs_n
-        n_mask = offs < end
+        n_mask = offs < hi
         k = tl.load(
             k_base + offs[:, None].to(tl.int64) * stride_ks + offs_d[None, :] * stride_kd,
             mask=n_mask[:, None] & d_mask[None, :], other=0.0,
@@ -252,7 +301,7 @@ def _row_stats(Mst, Lst, Ast, row, g_mask, NUM_SPLITS, BLOCK_S: tl.constexpr):
     """Merge per-split (max, sum, first argmax) into the row max M, normaliser L, argmax.
 
     One [heads, splits] tile load (a loop over the splits would serialise their
-    load latencies in every program's preamble).
+    load latencies in every program's preamble). Empty splits hold (-inf, 0).
     """
     offs_s = tl.arange(0, BLOCK_S)
     ptr = row[:, None] * NUM_SPLITS + offs_s[None, :]
@@ -262,7 +311,7 @@ def _row_stats(Mst, Lst, Ast, row, g_mask, NUM_SPLITS, BLOCK_S: tl.constexpr):
     ast = tl.load(Ast + ptr, mask=msk, other=_INT_MAX)
     m = tl.max(mst, axis=1)
     m = tl.where(g_mask, m, 0.0)  # padded heads: keep arithmetic finite
-    l = tl.sum(tl.where(msk, lst * tl.math.exp2(mst - m[:, None]), 0.0), axis=1)
+    l = tl.sum(tl.where(msk & (mst > float("-inf")), lst * tl.math.exp2(mst - m[:, None]), 0.0), axis=1)
     amax = tl.min(tl.where(mst == m[:, None], ast, _INT_MAX), axis=1)  # splits are in order
     return m, tl.where(g_mask, l, 1.0), amax
 
@@ -275,8 +324,12 @@ def _thresholds(Mst, Lst, Ast, Eta, row, g_mask, NUM_SPLITS1, BLOCK_S1: tl.const
         thr = tl.full(m.shape, float("-inf"), tl.float32)
     else:
         eta = tl.load(Eta + row, mask=g_mask, other=1.0)
-        # p > eta  <=>  s2 > M + log2(eta) + log2(L)   (eta <= 0 gives -inf: keep all)
+        # p > eta  <=>  s2 > M + log2(eta) + log2(L). eta <= 0 keeps every key (log2 of a
+        # negative eta is NaN, which would keep none); eta >= 1 keeps none but the maximum
+        # (p <= 1), whatever the rounding of log2(L); NaN keeps the maximum only, as p > NaN.
         thr = m + tl.math.log2(eta) + tl.math.log2(l)
+        thr = tl.where(eta <= 0.0, float("-inf"), thr)
+        thr = tl.where(eta >= 1.0, float("inf"), thr)
     return m, l, thr, amax
 
 
@@ -302,13 +355,14 @@ def _accumulate(acc, mass, s, idx, jm, thr, amax, m, g_mask, v_ptrs, vmask, DOT_
 
 @triton.jit
 def _filter_kernel(
-    V, Scores, Mst, Lst, Ast, Eta, SeqLens, Idx, Part, Cnt, Mass, Sem, Arrive, Out, Kept,
+    V, Scores, Mst, Lst, Ast, Eta, SeqLens, Starts, Idx, Part, Cnt, Mass, Sem, Arrive, Out, Kept,
     stride_vb, stride_vh, stride_vs, stride_vd, stride_ob, stride_oh, stride_od,
-    S_MAX, SPLIT_LEN, NUM_SPLITS1, NUM_SPLITS2,
+    S_MAX, NUM_SPLITS1, NUM_SPLITS2,
     HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_GA: tl.constexpr,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_A: tl.constexpr,
     BLOCK_S1: tl.constexpr,
-    HAS_SEQ_LENS: tl.constexpr, USE_DOT: tl.constexpr, DOT_PREC: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    HAS_SEQ_LENS: tl.constexpr, HAS_STARTS: tl.constexpr,
+    USE_DOT: tl.constexpr, DOT_PREC: tl.constexpr, DOT_UPCAST: tl.constexpr,
     KEEP_ALL: tl.constexpr, COMPACT: tl.constexpr, DENSE_PCT: tl.constexpr,
     FUSED_COMBINE: tl.constexpr, RESET_SYNC: tl.constexpr, RENORMALIZE: tl.constexpr, WRITE_KEPT: tl.constexpr,
     PDL: tl.constexpr, EVICT: tl.constexpr,
@@ -350,12 +404,8 @@ def _filter_kernel(
     row = b.to(tl.int64) * HQ + hkv * G + offs_g
 
     m, l, thr, amax = _thresholds(Mst, Lst, Ast, Eta, row, g_mask, NUM_SPLITS1, BLOCK_S1, KEEP_ALL)
-    if HAS_SEQ_LENS:
-        seq_len = tl.minimum(tl.load(SeqLens + b), S_MAX)
-    else:
-        seq_len = S_MAX
-    start = split * SPLIT_LEN
-    end = tl.minimum(start + SPLIT_LEN, seq_len)
+    begin, end_row = _row_range(SeqLens, Starts, b, S_MAX, HAS_SEQ_LENS, HAS_STARTS)
+    start, end = _split_range(begin, end_row, split, NUM_SPLITS2, BLOCK_N)
 
     v_base = V + b.to(tl.int64) * stride_vb + hkv.to(tl.int64) * stride_vh
     s_base = Scores + row[:, None] * S_MAX
@@ -483,6 +533,92 @@ def _combine_kernel(
 
 
 @triton.jit
+def _dense_kernel(
+    Q, K, V, SeqLens, Starts, Part, Mp, Lp, Sem, Out,
+    stride_qb, stride_qh, stride_qd,
+    stride_kb, stride_kh, stride_ks, stride_kd,
+    stride_vb, stride_vh, stride_vs, stride_vd,
+    stride_ob, stride_oh, stride_od,
+    qk_scale, S_MAX, NUM_SPLITS,
+    HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_SEQ_LENS: tl.constexpr, HAS_STARTS: tl.constexpr,
+    DOT_PREC: tl.constexpr, DOT_UPCAST: tl.constexpr, EVICT: tl.constexpr,
+):
+    """Exact attention (flash-decoding): one split of one (batch, KV head), all heads of the group.
+
+    One pass over the split's K and V with an online softmax (log2 domain); the split
+    writes its unnormalised partial output, max and sum, and the last split program of
+    the row (a counter in ``Sem``, zeroed again by it) merges them.
+    """
+    split = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // HKV
+    hkv = bh % HKV
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    g_mask = offs_g < G
+    d_mask = offs_d < D
+    h = hkv * G + offs_g
+    row = b.to(tl.int64) * HQ + h
+    q = tl.load(
+        Q + b.to(tl.int64) * stride_qb + h[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+        mask=g_mask[:, None] & d_mask[None, :], other=0.0,
+    )
+    begin, end = _row_range(SeqLens, Starts, b, S_MAX, HAS_SEQ_LENS, HAS_STARTS)
+    lo, hi = _split_range(begin, end, split, NUM_SPLITS, BLOCK_N)
+    k_base = K + b.to(tl.int64) * stride_kb + hkv.to(tl.int64) * stride_kh
+    v_base = V + b.to(tl.int64) * stride_vb + hkv.to(tl.int64) * stride_vh
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for n0 in range(lo, hi, BLOCK_N):
+        offs = n0 + offs_n
+        n_mask = offs < hi
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_base + offs[:, None].to(tl.int64) * stride_ks + offs_d[None, :] * stride_kd,
+                    mask=kv_mask, other=0.0, eviction_policy="evict_first" if EVICT else "")
+        s = _dot(q, tl.trans(k), DOT_PREC, DOT_UPCAST)
+        s = tl.where(n_mask[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(s - m_new[:, None])
+        v = tl.load(v_base + offs[:, None].to(tl.int64) * stride_vs + offs_d[None, :] * stride_vd,
+                    mask=kv_mask, other=0.0, eviction_policy="evict_first" if EVICT else "")
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PREC, DOT_UPCAST)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_i = m_new
+
+    pst = row * NUM_SPLITS + split
+    tl.store(Part + pst[:, None] * BLOCK_D + offs_d[None, :], acc, mask=g_mask[:, None])
+    tl.store(Mp + pst, m_i, mask=g_mask)
+    tl.store(Lp + pst, l_i, mask=g_mask)
+    tl.debug_barrier()  # every thread's partial stores precede the release below
+    done = tl.atomic_add(Sem + bh, 1, sem="acq_rel", scope="gpu")
+    if done == NUM_SPLITS - 1:
+        tl.store(Sem + bh, 0)  # ready for the next call
+        m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        for j in range(NUM_SPLITS):
+            m = tl.maximum(m, tl.load(Mp + row * NUM_SPLITS + j, mask=g_mask, other=0.0, cache_modifier=".cg"))
+        m = tl.where(g_mask, m, 0.0)
+        tot = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        l = tl.zeros([BLOCK_G], tl.float32)
+        for j in range(NUM_SPLITS):
+            pj = row * NUM_SPLITS + j
+            mj = tl.load(Mp + pj, mask=g_mask, other=0.0, cache_modifier=".cg")
+            w = tl.where(mj > float("-inf"), tl.math.exp2(mj - m), 0.0)  # empty splits weigh 0
+            l += w * tl.load(Lp + pj, mask=g_mask, other=0.0, cache_modifier=".cg")
+            tot += w[:, None] * tl.load(Part + pj[:, None] * BLOCK_D + offs_d[None, :], mask=g_mask[:, None],
+                                        other=0.0, cache_modifier=".cg")
+        l = tl.where(g_mask, l, 1.0)
+        tl.store(
+            Out + b.to(tl.int64) * stride_ob + h[:, None] * stride_oh + offs_d[None, :] * stride_od,
+            (tot / l[:, None]).to(Out.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :],
+        )
+
+
+@triton.jit
 def _ukey(x):
     """Order-preserving map float32 -> uint32: flip all bits of negatives, the sign of positives."""
     bits = x.to(tl.uint32, bitcast=True)
@@ -498,10 +634,10 @@ def _ukey_float(key):
 
 @triton.jit
 def _quantile_kernel(
-    Scores, Mst, Lst, Ast, Tau, SeqLens, Theta,
+    Scores, Mst, Lst, Ast, Tau, SeqLens, Starts, Theta,
     S_MAX, NUM_SPLITS1,
-    HQ: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S1: tl.constexpr, HAS_SEQ_LENS: tl.constexpr,
-    STAGES: tl.constexpr,
+    HQ: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S1: tl.constexpr,
+    HAS_SEQ_LENS: tl.constexpr, HAS_STARTS: tl.constexpr, STAGES: tl.constexpr,
 ):
     """theta = tau-quantile of one row's probabilities, torch.quantile's 'linear' rule.
 
@@ -519,10 +655,8 @@ def _quantile_kernel(
     m, l, _ = _row_stats(Mst, Lst, Ast, tl.full([1], 0, tl.int64) + row, one, NUM_SPLITS1, BLOCK_S1)
     m = tl.sum(m, axis=0)
     l = tl.sum(l, axis=0)
-    if HAS_SEQ_LENS:
-        n = tl.minimum(tl.load(SeqLens + b), S_MAX)
-    else:
-        n = S_MAX
+    begin, end = _row_range(SeqLens, Starts, b, S_MAX, HAS_SEQ_LENS, HAS_STARTS)
+    n = end - begin
     tau = tl.load(Tau + row)  # float64, so that tau * (n - 1) matches the reference
     pos = tau * (n - 1).to(tl.float64)
     kf = tl.floor(pos)
@@ -531,7 +665,7 @@ def _quantile_kernel(
 
     offs = tl.arange(0, BLOCK)
     bins = tl.arange(0, 256)
-    s_row = Scores + row * S_MAX
+    s_row = Scores + row * S_MAX + begin
     prefix = (n * 0).to(tl.uint32)
     for p in tl.static_range(4):
         shift = 24 - 8 * p  # constexpr: p is a static_range index
@@ -567,149 +701,195 @@ def _quantile_kernel(
     tl.store(Theta + row, p_lo + frac * (p_hi - p_lo))
 
 
-# --------------------------------------------------------------------------- launchers
+# --------------------------------------------------------------------------- workspace
 
 
-def _meta(q: torch.Tensor, k_cache: torch.Tensor, cfg: KernelConfig) -> dict:
-    B, Hq, D = q.shape
-    interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
-    return _plan(B, Hq, k_cache.shape[1], k_cache.shape[2], D, q.dtype, *_device_info(q.device), interp, cfg)
+class Workspace:
+    """Every buffer the kernels write besides their outputs, for one launch geometry.
+
+    ``sync`` holds three rows of per-(batch, KV head) counters: finished filter splits,
+    arrived score splits, finished dense splits. They start at zero and the last program
+    of each row sets them back to zero, so calls need no memset. Calls that share a
+    workspace must run one after another (one stream, or a CUDA graph captured on one
+    stream): the next call's first kernel starts only when the previous call's kernels
+    have finished.
+    """
+
+    def __init__(self, geo: dict, device: torch.device, sync: torch.Tensor | None = None, dense_only: bool = False):
+        B, Hq, Hkv, S = geo["B"], geo["Hq"], geo["Hkv"], geo["S"]
+        f32, i32 = torch.float32, torch.int32
+        self.sync = sync if sync is not None else torch.zeros(3, B * Hkv, device=device, dtype=i32)
+        self.sem, self.arrive, self.dense_sem = self.sync
+        if not dense_only:
+            self.scores = torch.empty(B, Hq, S, device=device, dtype=f32)
+            self.mst = torch.empty(B, Hq, geo["ns1"], device=device, dtype=f32)
+            self.lst = torch.empty(B, Hq, geo["ns1"], device=device, dtype=f32)
+            self.ast = torch.empty(B, Hq, geo["ns1"], device=device, dtype=i32)
+            self.idx = torch.empty(B * Hkv, S, device=device, dtype=i32)
+            self.part = torch.empty(B, Hq, geo["ns2"], geo["BLOCK_D"], device=device, dtype=f32)
+            self.cnt = torch.empty(B, Hq, geo["ns2"], device=device, dtype=i32)
+            self.mass = torch.empty(B, Hq, geo["ns2"], device=device, dtype=f32)
+        self.dpart = torch.empty(B, Hq, geo["nsd"], geo["BLOCK_D"], device=device, dtype=f32)
+        self.dm = torch.empty(B, Hq, geo["nsd"], device=device, dtype=f32)
+        self.dl = torch.empty(B, Hq, geo["nsd"], device=device, dtype=f32)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in vars(self).values() if isinstance(t, torch.Tensor) and t._base is None)
 
 
 _SYNC: dict[tuple, torch.Tensor] = {}
 
 
-def _sync_counters(dev: torch.device, rows: int) -> torch.Tensor:
-    """Zeroed [2, rows] int32 counters, one buffer per (device, stream, rows).
+def stream_counters(dev: torch.device, rows: int) -> torch.Tensor:
+    """Zeroed [3, rows] int32 counters, one buffer per (device, stream, rows), for the functional API.
 
-    The filter kernel's last program of each row sets them back to zero, so a call
-    needs no memset. Calls on one stream run in order; a buffer per stream keeps
-    concurrent streams apart. A CUDA graph keeps the buffer of the stream it was
-    captured on: graphs captured on one stream must be replayed one at a time.
+    The kernels set them back to zero, so a call needs no memset. Calls on one stream
+    run in order; a buffer per stream keeps concurrent streams apart. A CUDA graph keeps
+    the buffer of the stream it was captured on: graphs captured on one stream must be
+    replayed one at a time.
     """
     key = (dev, torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else 0, rows)
     buf = _SYNC.get(key)
     if buf is None:
-        buf = _SYNC[key] = torch.zeros(2, rows, device=dev, dtype=torch.int32)
+        buf = _SYNC[key] = torch.zeros(3, rows, device=dev, dtype=torch.int32)
     return buf
 
 
-def scores_pass(q, k_cache, scale, seq_lens, cfg: KernelConfig, reuse_sync: bool = False) -> dict:
-    """Pass 1: float32 log2-domain scores [B, Hq, S] and per-split softmax statistics.
+# --------------------------------------------------------------------------- launchers
 
-    ``reuse_sync``: take the stream's reusable counters (only when a fused filter pass
-    follows, which zeroes them again).
-    """
-    mt = _meta(q, k_cache, cfg)
-    B, Hq, Hkv, S = mt["B"], mt["Hq"], mt["Hkv"], mt["S"]
-    dev = q.device
-    split1, ns1 = mt["split1"], mt["ns1"]
-    reuse = reuse_sync and mt["reuse_sync"]
-    st = dict(
-        meta=mt, ns1=ns1,
-        scores=torch.empty(B, Hq, S, device=dev, dtype=torch.float32),
-        mst=torch.empty(B, Hq, ns1, device=dev, dtype=torch.float32),
-        lst=torch.empty(B, Hq, ns1, device=dev, dtype=torch.float32),
-        ast=torch.empty(B, Hq, ns1, device=dev, dtype=torch.int32),
-        # Counters (combine, row arrivals), zeroed before pass 1: a memset between the two
-        # kernels would break the PDL chain.
-        sync=_sync_counters(dev, B * Hkv) if reuse else torch.zeros(2, B * Hkv, device=dev, dtype=torch.int32),
-        reset_sync=reuse,
-        pdl=mt["pdl"],
-    )
-    st["sem"], st["arrive"] = st["sync"]
-    has_sl = seq_lens is not None
-    _scores_kernel[(ns1, B * Hkv)](
-        q, k_cache, st["scores"], st["mst"], st["lst"], st["ast"], seq_lens if has_sl else q, st["arrive"],
+
+def scores_pass(geo: dict, ws: Workspace, q, k_cache, scale: float, seq_lens, starts, cfg: KernelConfig, pdl: bool) -> None:
+    """Pass 1: float32 log2-domain scores and per-split softmax statistics into ``ws``."""
+    B, Hq, Hkv, S = geo["B"], geo["Hq"], geo["Hkv"], geo["S"]
+    has_sl, has_st = seq_lens is not None, starts is not None
+    _scores_kernel[(geo["ns1"], B * Hkv)](
+        q, k_cache, ws.scores, ws.mst, ws.lst, ws.ast, seq_lens if has_sl else ws.ast, starts if has_st else ws.ast,
+        ws.arrive,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
-        scale * LOG2E, S, split1, ns1,
-        HQ=Hq, HKV=Hkv, G=mt["G"], BLOCK_G=mt["BLOCK_G"], D=mt["D"], BLOCK_D=mt["BLOCK_D"],
-        BLOCK_N=cfg.block_n1, HAS_SEQ_LENS=has_sl, USE_DOT=mt["use_dot"], DOT_PREC=mt["prec"], DOT_UPCAST=mt["upcast"],
-        PDL=st["pdl"], EVICT=cfg.evict, num_warps=cfg.warps1, num_stages=cfg.stages1,
+        scale * LOG2E, S, geo["ns1"],
+        HQ=Hq, HKV=Hkv, G=geo["G"], BLOCK_G=geo["BLOCK_G"], D=geo["D"], BLOCK_D=geo["BLOCK_D"],
+        BLOCK_N=cfg.block_n1, HAS_SEQ_LENS=has_sl, HAS_STARTS=has_st,
+        USE_DOT=geo["use_dot"], DOT_PREC=geo["prec"], DOT_UPCAST=geo["upcast"],
+        PDL=pdl, EVICT=cfg.evict, num_warps=cfg.warps1, num_stages=cfg.stages1,
     )
-    return st
 
 
-def quantile_pass(st: dict, tau: torch.Tensor, seq_lens, cfg: KernelConfig) -> torch.Tensor:
+def quantile_pass(geo: dict, ws: Workspace, tau: torch.Tensor, seq_lens, starts, cfg: KernelConfig) -> torch.Tensor:
     """Warmup: theta [B, Hq] from the stored scores (run right after pass 1: L2-hot)."""
-    mt = st["meta"]
-    theta = torch.empty(mt["B"], mt["Hq"], device=tau.device, dtype=torch.float32)
-    has_sl = seq_lens is not None
-    _quantile_kernel[(mt["B"] * mt["Hq"],)](
-        st["scores"], st["mst"], st["lst"], st["ast"], tau, seq_lens if has_sl else tau, theta,
-        mt["S"], st["ns1"],
-        HQ=mt["Hq"], BLOCK=cfg.quantile_block, BLOCK_S1=mt["BLOCK_S1"],
-        HAS_SEQ_LENS=has_sl, STAGES=cfg.quantile_stages, num_warps=cfg.quantile_warps,
+    theta = torch.empty(geo["B"], geo["Hq"], device=tau.device, dtype=torch.float32)
+    has_sl, has_st = seq_lens is not None, starts is not None
+    _quantile_kernel[(geo["B"] * geo["Hq"],)](
+        ws.scores, ws.mst, ws.lst, ws.ast, tau, seq_lens if has_sl else ws.ast, starts if has_st else ws.ast, theta,
+        geo["S"], geo["ns1"],
+        HQ=geo["Hq"], BLOCK=cfg.quantile_block, BLOCK_S1=geo["BLOCK_S1"],
+        HAS_SEQ_LENS=has_sl, HAS_STARTS=has_st, STAGES=cfg.quantile_stages, num_warps=cfg.quantile_warps,
     )
     return theta
 
 
 def filter_pass(
-    st: dict, v_cache, eta, seq_lens, cfg: KernelConfig, out_dtype: torch.dtype, renormalize: bool, want_kept: bool
-) -> dict:
-    """Pass 2: threshold, compaction, V gather; with cfg.fused_combine also the output."""
-    mt = st["meta"]
-    B, Hq, Hkv, S, D = mt["B"], mt["Hq"], mt["Hkv"], mt["S"], mt["D"]
+    geo: dict, ws: Workspace, v_cache, eta, seq_lens, starts, cfg: KernelConfig, out_dtype: torch.dtype,
+    renormalize: bool, want_kept: bool, pdl: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Pass 2: threshold, compaction, V gather and (fused) the output; ``eta`` None keeps every key."""
+    B, Hq, Hkv, S, D = geo["B"], geo["Hq"], geo["Hkv"], geo["S"], geo["D"]
     dev = v_cache.device
-    split2, ns2 = mt["split2"], mt["ns2"]
     compact = cfg.compact and eta is not None
-    fused = cfg.fused_combine
-    pt = dict(
-        ns2=ns2,
-        idx=torch.empty(B * Hkv, S, device=dev, dtype=torch.int32) if compact else st["ast"],
-        part=torch.empty(B, Hq, ns2, mt["BLOCK_D"], device=dev, dtype=torch.float32),
-        cnt=torch.empty(B, Hq, ns2, device=dev, dtype=torch.int32),
-        mass=torch.empty(B, Hq, ns2, device=dev, dtype=torch.float32),
-        out=torch.empty(B, Hq, D, device=dev, dtype=out_dtype) if fused else None,
-        kept=torch.empty(B, Hq, device=dev, dtype=torch.int32) if fused and want_kept else None,
-    )
-    out = pt["out"] if fused else pt["part"]
-    has_sl = seq_lens is not None
-    _filter_kernel[(ns2, B * Hkv)](
-        v_cache, st["scores"], st["mst"], st["lst"], st["ast"], eta if eta is not None else st["mst"],
-        seq_lens if has_sl else st["mst"], pt["idx"], pt["part"], pt["cnt"], pt["mass"], st["sem"], st["arrive"],
-        out, pt["kept"] if pt["kept"] is not None else pt["cnt"],
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
-        out.stride(0), out.stride(1), out.stride(2),
-        S, split2, st["ns1"], ns2,
-        HQ=Hq, HKV=Hkv, G=mt["G"], BLOCK_G=mt["BLOCK_G"], BLOCK_GA=mt["BLOCK_GA"], D=D, BLOCK_D=mt["BLOCK_D"],
-        BLOCK_N=cfg.block_n2, BLOCK_A=mt["BLOCK_A"], BLOCK_S1=mt["BLOCK_S1"], HAS_SEQ_LENS=has_sl,
-        USE_DOT=mt["use_dot"], DOT_PREC=mt["prec"], DOT_UPCAST=mt["upcast"], KEEP_ALL=eta is None,
-        COMPACT=compact, DENSE_PCT=cfg.dense_pct,
-        FUSED_COMBINE=fused, RESET_SYNC=st["reset_sync"], RENORMALIZE=renormalize, WRITE_KEPT=want_kept,
-        PDL=st["pdl"], EVICT=cfg.evict, num_warps=cfg.warps2, num_stages=cfg.stages2,
-        **({"launch_pdl": True} if st["pdl"] else {}),
-    )
-    return pt
-
-
-def combine_pass(st: dict, pt: dict, out_dtype: torch.dtype, renormalize: bool, want_kept: bool):
-    mt = st["meta"]
-    B, Hq, D = mt["B"], mt["Hq"], mt["D"]
-    dev = pt["part"].device
+    fused = geo["fused"]
     out = torch.empty(B, Hq, D, device=dev, dtype=out_dtype)
     kept = torch.empty(B, Hq, device=dev, dtype=torch.int32) if want_kept else None
-    _combine_kernel[(B * Hq,)](
-        pt["part"], pt["cnt"], pt["mass"], out, kept if want_kept else pt["cnt"],
-        out.stride(0), out.stride(1), out.stride(2), pt["ns2"],
-        HQ=Hq, D=D, BLOCK_D=mt["BLOCK_D"], BLOCK_S2=mt["BLOCK_S2"],
-        RENORMALIZE=renormalize, WRITE_KEPT=want_kept, num_warps=4,
+    has_sl, has_st = seq_lens is not None, starts is not None
+    _filter_kernel[(geo["ns2"], B * Hkv)](
+        v_cache, ws.scores, ws.mst, ws.lst, ws.ast, eta if eta is not None else ws.mst,
+        seq_lens if has_sl else ws.ast, starts if has_st else ws.ast,
+        ws.idx, ws.part, ws.cnt, ws.mass, ws.sem, ws.arrive,
+        out, kept if kept is not None else ws.cnt,
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
+        out.stride(0), out.stride(1), out.stride(2),
+        S, geo["ns1"], geo["ns2"],
+        HQ=Hq, HKV=Hkv, G=geo["G"], BLOCK_G=geo["BLOCK_G"], BLOCK_GA=geo["BLOCK_GA"], D=D, BLOCK_D=geo["BLOCK_D"],
+        BLOCK_N=cfg.block_n2, BLOCK_A=geo["BLOCK_A"], BLOCK_S1=geo["BLOCK_S1"],
+        HAS_SEQ_LENS=has_sl, HAS_STARTS=has_st,
+        USE_DOT=geo["use_dot"], DOT_PREC=geo["prec"], DOT_UPCAST=geo["upcast"], KEEP_ALL=eta is None,
+        COMPACT=compact, DENSE_PCT=cfg.dense_pct,
+        FUSED_COMBINE=fused, RESET_SYNC=fused, RENORMALIZE=renormalize, WRITE_KEPT=want_kept,
+        PDL=pdl, EVICT=cfg.evict, num_warps=cfg.warps2, num_stages=cfg.stages2,
+        **({"launch_pdl": True} if pdl else {}),
     )
+    if not fused:
+        _combine_kernel[(B * Hq,)](
+            ws.part, ws.cnt, ws.mass, out, kept if kept is not None else ws.cnt,
+            out.stride(0), out.stride(1), out.stride(2), geo["ns2"],
+            HQ=Hq, D=D, BLOCK_D=geo["BLOCK_D"], BLOCK_S2=geo["BLOCK_S2"],
+            RENORMALIZE=renormalize, WRITE_KEPT=want_kept, num_warps=4,
+        )
+        ws.sync[:2].zero_()  # no fused reduction to zero them (a test and tuning mode only)
     return out, kept
 
 
-def _filter_or_reset(st: dict, *args, **kwargs) -> dict:
-    """filter_pass; if it fails to launch, zero the reused counters the scores pass advanced."""
+def _filter_or_reset(geo: dict, ws: Workspace, *args, **kwargs):
+    """filter_pass; if it fails to launch, zero the counters the scores pass advanced."""
     try:
-        return filter_pass(st, *args, **kwargs)
+        return filter_pass(geo, ws, *args, **kwargs)
     except BaseException:
-        if st["reset_sync"]:
-            st["sync"].zero_()
+        ws.sync[:2].zero_()
         raise
 
 
-_DEFAULT = KernelConfig()
+def sparse(geo: dict, ws: Workspace, q, k_cache, v_cache, eta, scale: float, seq_lens, starts, renormalize: bool,
+           cfg: KernelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sift decode step on prepared inputs: (out, kept)."""
+    pdl = geo["pdl"]
+    scores_pass(geo, ws, q, k_cache, scale, seq_lens, starts, cfg, pdl)
+    out, kept = _filter_or_reset(geo, ws, v_cache, eta, seq_lens, starts, cfg, q.dtype, renormalize, True, pdl)
+    return out, kept
+
+
+def warmup(geo: dict, ws: Workspace, q, k_cache, v_cache, tau, scale: float, seq_lens, starts,
+           cfg: KernelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact output plus theta; ``tau`` is a float64 [B, Hq] tensor."""
+    pdl = geo["pdl"]
+    scores_pass(geo, ws, q, k_cache, scale, seq_lens, starts, cfg, pdl)
+    try:
+        theta = quantile_pass(geo, ws, tau, seq_lens, starts, cfg)
+    except BaseException:
+        ws.sync[:2].zero_()
+        raise
+    out, _ = _filter_or_reset(geo, ws, v_cache, None, seq_lens, starts, cfg, q.dtype, False, False, pdl)
+    return out, theta
+
+
+def dense(geo: dict, ws: Workspace, q, k_cache, v_cache, scale: float, seq_lens, starts, cfg: KernelConfig) -> torch.Tensor:
+    """Exact attention over the valid keys (flash-decoding split-K)."""
+    B, Hq, Hkv, D = geo["B"], geo["Hq"], geo["Hkv"], geo["D"]
+    out = torch.empty(B, Hq, D, device=q.device, dtype=q.dtype)
+    has_sl, has_st = seq_lens is not None, starts is not None
+    _dense_kernel[(geo["nsd"], B * Hkv)](
+        q, k_cache, v_cache, seq_lens if has_sl else ws.dm, starts if has_st else ws.dm,
+        ws.dpart, ws.dm, ws.dl, ws.dense_sem, out,
+        q.stride(0), q.stride(1), q.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
+        out.stride(0), out.stride(1), out.stride(2),
+        scale * LOG2E, geo["S"], geo["nsd"],
+        HQ=Hq, HKV=Hkv, G=geo["G"], BLOCK_G=max(16, geo["BLOCK_GA"]), D=D, BLOCK_D=geo["BLOCK_D"],
+        BLOCK_N=cfg.block_nd, HAS_SEQ_LENS=has_sl, HAS_STARTS=has_st,
+        DOT_PREC=geo["prec"], DOT_UPCAST=geo["upcast"], EVICT=cfg.evict,
+        num_warps=cfg.warpsd, num_stages=cfg.stagesd,
+    )
+    return out
+
+
+# --------------------------------------------------------------------------- functional entry points
+
+
+def _functional_setup(q, k_cache, cfg: KernelConfig | None, dense_only: bool = False):
+    cfg = cfg or config_for(q.device)
+    B, Hq, D = q.shape
+    geo = geometry(B, Hq, k_cache.shape[1], k_cache.shape[2], D, q.dtype, q.device, cfg)
+    sync = stream_counters(q.device, B * k_cache.shape[1]) if cfg.reuse_sync and geo["fused"] else None
+    return cfg, geo, Workspace(geo, q.device, sync, dense_only)
 
 
 def sift_decode_triton(
@@ -721,14 +901,11 @@ def sift_decode_triton(
     seq_lens: torch.Tensor | None,
     renormalize: bool,
     cfg: KernelConfig | None = None,
+    starts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Inputs already validated by :func:`siftattention.kernels.sift_decode`."""
-    cfg = cfg or _DEFAULT
-    st = scores_pass(q, k_cache, scale, seq_lens, cfg, reuse_sync=True)
-    pt = _filter_or_reset(st, v_cache, eta, seq_lens, cfg, q.dtype, renormalize, want_kept=True)
-    if cfg.fused_combine:
-        return pt["out"], pt["kept"]
-    return combine_pass(st, pt, q.dtype, renormalize, want_kept=True)
+    cfg, geo, ws = _functional_setup(q, k_cache, cfg)
+    return sparse(geo, ws, q, k_cache, v_cache, eta, scale, seq_lens, starts, renormalize, cfg)
 
 
 def sift_warmup_decode_triton(
@@ -739,14 +916,28 @@ def sift_warmup_decode_triton(
     scale: float,
     seq_lens: torch.Tensor | None,
     cfg: KernelConfig | None = None,
+    starts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact output plus theta; ``tau`` is a float64 [B, Hq] tensor."""
-    cfg = cfg or _DEFAULT
-    st = scores_pass(q, k_cache, scale, seq_lens, cfg, reuse_sync=True)
-    theta = quantile_pass(st, tau, seq_lens, cfg)
-    pt = _filter_or_reset(st, v_cache, None, seq_lens, cfg, q.dtype, False, want_kept=False)
-    out = pt["out"] if cfg.fused_combine else combine_pass(st, pt, q.dtype, False, want_kept=False)[0]
-    return out, theta
+    cfg, geo, ws = _functional_setup(q, k_cache, cfg)
+    return warmup(geo, ws, q, k_cache, v_cache, tau, scale, seq_lens, starts, cfg)
 
 
-__all__ = ["KernelConfig", "sift_decode_triton", "sift_warmup_decode_triton", "LOG2E"]
+def dense_decode_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    scale: float,
+    seq_lens: torch.Tensor | None,
+    cfg: KernelConfig | None = None,
+    starts: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Exact attention over the valid keys, flash-decoding split-K."""
+    cfg, geo, ws = _functional_setup(q, k_cache, cfg, dense_only=True)
+    return dense(geo, ws, q, k_cache, v_cache, scale, seq_lens, starts, cfg)
+
+
+__all__ = [
+    "KernelConfig", "Workspace", "config_for", "geometry", "sparse", "dense", "warmup",
+    "sift_decode_triton", "sift_warmup_decode_triton", "dense_decode_triton", "LOG2E",
+]

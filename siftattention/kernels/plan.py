@@ -1,0 +1,165 @@
+"""Decode kernels planned once per shape and run many times (the plan / run split).
+
+``DecodeKernels.plan`` checks the shape arguments, picks the backend and the launch
+geometry and allocates every scratch buffer and counter; its ``sparse``, ``dense``
+and ``warmup`` methods then only launch kernels: no validation, no host
+synchronisation, no allocation whose size depends on tensor values. Each run method
+can therefore be captured in a CUDA graph, and one graph may replay many plans (one
+per layer, or one shared by the layers of one shape) on one stream.
+
+Preconditions of the run methods (not checked, so that they stay cheap):
+
+- ``q`` [B, Hq, D]; ``k_cache``, ``v_cache`` [B, Hkv, max_len, D], any strides (a
+  transformers ``StaticCache`` buffer works), all of the planned dtype on the planned
+  device; ``eta`` [B, Hq] float32, ``seq_lens`` [B] int32 and ``starts`` [B] int32 (or
+  None), all three contiguous.
+- Valid keys of row b: positions ``[starts[b], seq_lens[b])`` with
+  ``0 <= starts[b] < seq_lens[b] <= max_len``; keys outside never count (softmax,
+  quantile, kept, argmax). An empty range gives NaN outputs.
+- eta: ``<= 0`` keeps every valid key, ``>= 1`` (and NaN) only the row maximum; the row
+  maximum (first one on ties) is always kept.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from .torch_ref import dense_decode_torch, sift_decode_torch, sift_warmup_decode_torch
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+BACKENDS = ("auto", "torch", "triton")
+
+
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """"auto" -> "triton" on CUDA (when Triton imports), "torch" elsewhere; forced names checked."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
+    if backend == "auto":
+        return "triton" if device.type == "cuda" and triton_available() else "torch"
+    if backend == "triton":
+        if not triton_available():
+            raise ValueError("backend='triton' needs the triton package")
+        if device.type != "cuda" and not interpreting():
+            raise ValueError("backend='triton' needs a CUDA device (or TRITON_INTERPRET=1 on CPU)")
+    return backend
+
+
+class DecodeKernels:
+    """One decode-step shape, planned: ``sparse`` (sift), ``dense`` (exact) and ``warmup`` steps.
+
+    >>> kern = DecodeKernels.plan(batch=8, q_heads=32, kv_heads=8, max_len=4096, head_dim=128,
+    ...                           dtype=torch.bfloat16, device=torch.device("cuda"), scale=128**-0.5)
+    >>> out, kept = kern.sparse(q, k_cache, v_cache, eta, seq_lens)
+
+    The Triton backend keeps its scratch (float32 scores [B, Hq, max_len], compaction
+    indices, split partials) and its counters in the plan, so calls of one plan must
+    run one after another on one stream (a CUDA graph captured on one stream does); two
+    plans never share anything. Outputs are fresh tensors on every call.
+    """
+
+    def __init__(self, backend: str, batch: int, q_heads: int, kv_heads: int, max_len: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device, scale: float, renormalize: bool, config=None):
+        self.backend = backend
+        self.batch, self.q_heads, self.kv_heads, self.max_len, self.head_dim = batch, q_heads, kv_heads, max_len, head_dim
+        self.dtype, self.device, self.scale, self.renormalize = dtype, device, scale, renormalize
+        if backend == "triton":
+            from . import triton_decode as td
+
+            self._td = td
+            self.config = config or td.config_for(device)
+            self.geometry = td.geometry(batch, q_heads, kv_heads, max_len, head_dim, dtype, device, self.config)
+            self.workspace = td.Workspace(self.geometry, device)
+
+    @classmethod
+    def plan(
+        cls,
+        *,
+        batch: int,
+        q_heads: int,
+        kv_heads: int,
+        max_len: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        scale: float,
+        renormalize: bool = False,
+        backend: str = "auto",
+        config=None,
+    ) -> "DecodeKernels":
+        """Check the shape, pick the backend and allocate the scratch for it.
+
+        ``backend``: "auto" (Triton on CUDA, torch elsewhere), "torch", or "triton" (on
+        CPU only under TRITON_INTERPRET=1). ``config``: a Triton ``KernelConfig``
+        (default: the tuned one for the device).
+        """
+        for name, v in (("batch", batch), ("q_heads", q_heads), ("kv_heads", kv_heads), ("max_len", max_len),
+                        ("head_dim", head_dim)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if q_heads % kv_heads:
+            raise ValueError(f"q_heads ({q_heads}) must be a multiple of kv_heads ({kv_heads})")
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype {dtype} not supported; expected one of {DTYPES}")
+        if not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+            raise ValueError(f"scale must be a positive finite float, got {scale!r}")
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        which = resolve_backend(backend, device)
+        return cls(which, batch, q_heads, kv_heads, max_len, head_dim, dtype, device, float(scale),
+                   bool(renormalize), config)
+
+    def sparse(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, eta: torch.Tensor,
+               seq_lens: torch.Tensor, starts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sift step: out [B, Hq, D] (q's dtype) and kept [B, Hq] int32 (keys kept per head)."""
+        if self.backend == "triton":
+            return self._td.sparse(self.geometry, self.workspace, q, k_cache, v_cache, eta, self.scale, seq_lens,
+                                   starts, self.renormalize, self.config)
+        return sift_decode_torch(q, k_cache, v_cache, eta, self.scale, seq_lens, self.renormalize, starts)
+
+    def dense(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
+              starts: torch.Tensor | None = None) -> torch.Tensor:
+        """Exact attention over the valid keys: out [B, Hq, D] (q's dtype)."""
+        if self.backend == "triton":
+            return self._td.dense(self.geometry, self.workspace, q, k_cache, v_cache, self.scale, seq_lens, starts,
+                                  self.config)
+        return dense_decode_torch(q, k_cache, v_cache, self.scale, seq_lens, starts)
+
+    def warmup(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tau: torch.Tensor | float,
+               seq_lens: torch.Tensor, starts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Exact output and theta [B, Hq] float32, the tau-quantile of each head's probabilities.
+
+        ``tau``: a float or a [B, Hq] tensor; the quantile is torch.quantile's linear
+        rule at position ``tau * (n - 1)`` ascending, ``n = seq_len - start``.
+        """
+        if isinstance(tau, torch.Tensor):
+            tau_t = tau.to(torch.float64).contiguous()
+        else:
+            tau_t = torch.full((self.batch, self.q_heads), float(tau), dtype=torch.float64, device=self.device)
+        if self.backend == "triton":
+            return self._td.warmup(self.geometry, self.workspace, q, k_cache, v_cache, tau_t, self.scale, seq_lens,
+                                   starts, self.config)
+        return sift_warmup_decode_torch(q, k_cache, v_cache, tau_t, self.scale, seq_lens, starts)
+
+    def scratch_bytes(self) -> int:
+        """Device memory the plan holds (0 for the torch backend)."""
+        return self.workspace.nbytes() if self.backend == "triton" else 0
+
+    def __repr__(self) -> str:
+        return (f"DecodeKernels(backend={self.backend!r}, batch={self.batch}, heads={self.q_heads}/{self.kv_heads}, "
+                f"max_len={self.max_len}, head_dim={self.head_dim}, dtype={self.dtype}, device={self.device})")
