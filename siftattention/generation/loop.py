@@ -162,14 +162,18 @@ class _Loop:
         self.graphs: dict[str, torch.cuda.CUDAGraph] = {}
         self.seen: set[str] = set()
 
-    def prefill(self, input_ids: torch.Tensor, mask: torch.Tensor) -> None:
+    def prefill(self, input_ids: torch.Tensor, mask: torch.Tensor, chunk: int | None) -> None:
+        """The prompt, exactly, in chunks of ``chunk`` tokens (bounds the activations of long prompts)."""
         positions = (mask.cumsum(1) - 1).clamp(min=0)
-        kwargs: dict[str, Any] = dict(attention_mask=mask, position_ids=positions, past_key_values=self.cache, use_cache=True)
-        if "logits_to_keep" in self.accepts:
-            kwargs["logits_to_keep"] = 1
-        if "cache_position" in self.accepts:
-            kwargs["cache_position"] = torch.arange(self.P, device=self.device)
-        logits = self.model(input_ids=input_ids, **kwargs).logits[:, -1]
+        chunk = self.P if not chunk or self.handle.method.observes_prefill() else chunk
+        for a in range(0, self.P, chunk):
+            b = min(self.P, a + chunk)
+            kwargs: dict[str, Any] = dict(attention_mask=mask[:, :b], position_ids=positions[:, a:b], past_key_values=self.cache, use_cache=True)
+            if "logits_to_keep" in self.accepts:
+                kwargs["logits_to_keep"] = 1
+            if "cache_position" in self.accepts:
+                kwargs["cache_position"] = torch.arange(a, b, device=self.device)
+            logits = self.model(input_ids=input_ids[:, a:b], **kwargs).logits[:, -1]
         self.positions.copy_(positions[:, -1] + 1)
         self._emit(logits, torch.zeros(1, dtype=torch.long, device=self.device))
         self.cache.write_pos = self.ctx.write_pos
@@ -217,6 +221,35 @@ class _Loop:
             self._step()
 
 
+class _PhaseClock:
+    """Seconds and steps spent in each method phase: device events on CUDA (no sync in the loop)."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
+        self.marks: list[tuple[str | None, Any]] = []
+
+    def mark(self, phase: str | None) -> None:
+        if self.marks and self.marks[-1][0] == phase:
+            self.marks.append((phase, None))
+            return
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+        else:
+            event = time.perf_counter()
+        self.marks.append((phase, event))
+
+    def totals(self) -> dict[str, dict[str, float]]:
+        out: dict[str, dict[str, float]] = {}
+        timed = [(i, p, e) for i, (p, e) in enumerate(self.marks) if e is not None]
+        for (i, phase, a), (j, _, b) in zip(timed, timed[1:]):
+            seconds = a.elapsed_time(b) / 1e3 if self.cuda else b - a
+            entry = out.setdefault(str(phase), {"steps": 0, "seconds": 0.0})
+            entry["steps"] += j - i
+            entry["seconds"] += seconds
+        return out
+
+
 def generate(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
@@ -233,13 +266,15 @@ def generate(
     decode_backend: str = "auto",
     check_every: int = 16,
     output_scores: bool = False,
+    prefill_chunk: int | None = None,
 ) -> GenerationResult:
     """Generate with ``method`` through the fast decode loop (docs/design.md, "Fast decode path").
 
     The prompt (left-padded batches allowed) is prefilled exactly into a fixed-size
     cache; each new token is one step of the whole model, replayed from a CUDA graph
     per method phase on CUDA (``cuda_graphs=None``: on CUDA) and run eagerly on the
-    CPU. ``Full()`` (the default) is the dense baseline on the same path. Where the
+    CPU. ``Full()`` (the default) is the dense baseline on the same path.
+    ``prefill_chunk`` splits a long prompt's prefill into chunks of that many tokens. Where the
     model or method cannot use this path (for example ``H2O``), a one-line warning
     says why and transformers' ``generate`` with ``apply`` runs instead.
 
@@ -271,15 +306,18 @@ def generate(
         with torch.inference_mode():
             sync = torch.cuda.synchronize if input_ids.is_cuda else (lambda: None)
             start = time.perf_counter()
-            loop.prefill(input_ids, mask)
+            loop.prefill(input_ids, mask, prefill_chunk)
             sync()
             prefill_s = time.perf_counter() - start
             steps = 0
+            clock = _PhaseClock(input_ids.is_cuda)
             for step in range(max_new_tokens - 1):
                 if loop.eos is not None and step % check_every == 0 and bool(loop.done.all()):
                     break
+                clock.mark(method.decode_phase(step))
                 loop.decode(step)
                 steps += 1
+            clock.mark(None)
             sync()
             decode_s = time.perf_counter() - start - prefill_s
     finally:
@@ -294,7 +332,7 @@ def generate(
     new = loop.out[:, : used + 1]
     return GenerationResult(
         sequences=torch.cat([input_ids, new], dim=1), new_tokens=new, num_generated=num, stats=handle.stats, fast=True,
-        timings={"prefill_s": prefill_s, "decode_s": decode_s, "decode_steps": steps},
+        timings={"prefill_s": prefill_s, "decode_s": decode_s, "decode_steps": steps, "phases": clock.totals()},
         scores=None if loop.scores is None else loop.scores[:, : used + 1],
     )
 
