@@ -419,7 +419,7 @@ SMALL = dict(block_n1=16, block_n2=16, block_a=32, scan_elems=0, min_split1=16, 
 TRITON_CASES = [
     (2, 4, 4, 37, 64, "float32", {}),
     (2, 4, 4, 45, 64, "float16", {"scan_elems": 64, "reuse_sync": False}),  # MHA scan rows of 64 keys
-    (3, 8, 2, 53, 128, "float16", {}),
+    (3, 8, 2, 53, 128, "float16", {"warmup_dense": False}),  # warmup: scores, quantile, filter kernels
     (2, 8, 1, 41, 64, "bfloat16", {}),
     (2, 8, 1, 41, 64, "float16", {"compact": False}),
     (1, 4, 4, 70, 128, "bfloat16", {"dense_pct": 0, "fused_combine": False}),

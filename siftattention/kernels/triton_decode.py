@@ -96,6 +96,9 @@ class KernelConfig:
     # Functional API: reuse one zeroed counter buffer per stream (the kernels zero it
     # again) instead of a memset per call; needs fused_combine.
     reuse_sync: bool = True
+    # Warmup as the dense kernel storing the scores, then the quantile (two launches, one
+    # pass over K and V); off: scores kernel, quantile, filter kernel keeping every key.
+    warmup_dense: bool = True
     # Dense (flash-decoding) kernel.
     block_nd: int = 64
     warpsd: int = 4
@@ -177,6 +180,9 @@ def _plan(
         prec="ieee" if dtype == torch.float32 else "tf32",
         upcast=dtype == torch.bfloat16 and interp,
         ns1=ns1, BLOCK_S1=_pow2(ns1), ns2=ns2, BLOCK_S2=_pow2(ns2), nsd=nsd, BLOCK_SD=_pow2(nsd),
+        # Splits per load in the combine steps: a [CH, G, D] float32 tile of about 4096 elements.
+        CH2=max(1, min(_pow2(ns2), 4096 // (_pow2(G) * max(16, _pow2(D))))),
+        CHD=max(1, min(_pow2(nsd), 4096 // (_pow2(G) * max(16, _pow2(D))))),
         pdl=cfg.pdl and _HAS_PDL and hopper,
         fused=cfg.fused_combine,
     )
@@ -297,8 +303,8 @@ def _scores_kernel(
 
 
 @triton.jit
-def _row_stats(Mst, Lst, Ast, row, g_mask, NUM_SPLITS, BLOCK_S: tl.constexpr):
-    """Merge per-split (max, sum, first argmax) into the row max M, normaliser L, argmax.
+def _row_ml(Mst, Lst, row, g_mask, NUM_SPLITS, BLOCK_S: tl.constexpr):
+    """Merge per-split (max, sum of exp2) into the row max M and normaliser L.
 
     One [heads, splits] tile load (a loop over the splits would serialise their
     load latencies in every program's preamble). Empty splits hold (-inf, 0).
@@ -308,12 +314,19 @@ def _row_stats(Mst, Lst, Ast, row, g_mask, NUM_SPLITS, BLOCK_S: tl.constexpr):
     msk = g_mask[:, None] & (offs_s[None, :] < NUM_SPLITS)
     mst = tl.load(Mst + ptr, mask=msk, other=float("-inf"))
     lst = tl.load(Lst + ptr, mask=msk, other=0.0)
-    ast = tl.load(Ast + ptr, mask=msk, other=_INT_MAX)
     m = tl.max(mst, axis=1)
     m = tl.where(g_mask, m, 0.0)  # padded heads: keep arithmetic finite
     l = tl.sum(tl.where(msk & (mst > float("-inf")), lst * tl.math.exp2(mst - m[:, None]), 0.0), axis=1)
+    return m, tl.where(g_mask, l, 1.0), mst, ptr, msk
+
+
+@triton.jit
+def _row_stats(Mst, Lst, Ast, row, g_mask, NUM_SPLITS, BLOCK_S: tl.constexpr):
+    """Row max M, normaliser L and first argmax from the per-split statistics."""
+    m, l, mst, ptr, msk = _row_ml(Mst, Lst, row, g_mask, NUM_SPLITS, BLOCK_S)
+    ast = tl.load(Ast + ptr, mask=msk, other=_INT_MAX)
     amax = tl.min(tl.where(mst == m[:, None], ast, _INT_MAX), axis=1)  # splits are in order
-    return m, tl.where(g_mask, l, 1.0), amax
+    return m, l, amax
 
 
 @triton.jit
@@ -360,7 +373,7 @@ def _filter_kernel(
     S_MAX, NUM_SPLITS1, NUM_SPLITS2,
     HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_GA: tl.constexpr,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_A: tl.constexpr,
-    BLOCK_S1: tl.constexpr,
+    BLOCK_S1: tl.constexpr, CH: tl.constexpr,
     HAS_SEQ_LENS: tl.constexpr, HAS_STARTS: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_PREC: tl.constexpr, DOT_UPCAST: tl.constexpr,
     KEEP_ALL: tl.constexpr, COMPACT: tl.constexpr, DENSE_PCT: tl.constexpr,
@@ -482,24 +495,32 @@ def _filter_kernel(
                 # counters for the next call (saves a memset launch per call).
                 tl.store(Sem + bh, 0)
                 tl.store(Arrive + bh, 0)
-            tot = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-            tot_mass = tl.zeros([BLOCK_G], tl.float32)
-            kept = tl.zeros([BLOCK_G], tl.int32)
-            for j in range(NUM_SPLITS2):
-                pj = row * NUM_SPLITS2 + j
-                tot += tl.load(Part + pj[:, None] * BLOCK_D + offs_d[None, :], mask=g_mask[:, None], other=0.0,
-                               cache_modifier=".cg")
-                tot_mass += tl.load(Mass + pj, mask=g_mask, other=0.0, cache_modifier=".cg")
-                kept += tl.load(Cnt + pj, mask=g_mask, other=0, cache_modifier=".cg")
+            # Sum the split partials on a G-row head tile, CH splits per load (one dependent
+            # load per split would serialise ~0.5 us each: most of the tail at small B).
+            offs_ga = tl.arange(0, BLOCK_GA)
+            ga_mask = offs_ga < G
+            row_c = b.to(tl.int64) * HQ + hkv * G + offs_ga
+            offs_c = tl.arange(0, CH)
+            tot = tl.zeros([BLOCK_GA, BLOCK_D], tl.float32)
+            tot_mass = tl.zeros([BLOCK_GA], tl.float32)
+            kept = tl.zeros([BLOCK_GA], tl.int32)
+            for j0 in range(0, NUM_SPLITS2, CH):
+                js = j0 + offs_c
+                pj = row_c[None, :] * NUM_SPLITS2 + js[:, None]  # [CH, GA]
+                m2 = (js < NUM_SPLITS2)[:, None] & ga_mask[None, :]
+                tot += tl.sum(tl.load(Part + pj[:, :, None] * BLOCK_D + offs_d[None, None, :], mask=m2[:, :, None],
+                                      other=0.0, cache_modifier=".cg"), axis=0)
+                tot_mass += tl.sum(tl.load(Mass + pj, mask=m2, other=0.0, cache_modifier=".cg"), axis=0)
+                kept += tl.sum(tl.load(Cnt + pj, mask=m2, other=0, cache_modifier=".cg"), axis=0)
             if RENORMALIZE:
-                tot = tot / tot_mass[:, None]
-            h = hkv * G + offs_g
+                tot = tot / tl.where(ga_mask, tot_mass, 1.0)[:, None]
+            h = hkv * G + offs_ga
             tl.store(
                 Out + b.to(tl.int64) * stride_ob + h[:, None] * stride_oh + offs_d[None, :] * stride_od,
-                tot.to(Out.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :],
+                tot.to(Out.dtype.element_ty), mask=ga_mask[:, None] & d_mask[None, :],
             )
             if WRITE_KEPT:
-                tl.store(Kept + row, kept, mask=g_mask)
+                tl.store(Kept + row_c, kept, mask=ga_mask)
 
 
 @triton.jit
@@ -534,22 +555,24 @@ def _combine_kernel(
 
 @triton.jit
 def _dense_kernel(
-    Q, K, V, SeqLens, Starts, Part, Mp, Lp, Sem, Out,
+    Q, K, V, SeqLens, Starts, Part, Mp, Lp, Sem, Out, Scores,
     stride_qb, stride_qh, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
     stride_ob, stride_oh, stride_od,
     qk_scale, S_MAX, NUM_SPLITS,
-    HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_GA: tl.constexpr,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CH: tl.constexpr,
     HAS_SEQ_LENS: tl.constexpr, HAS_STARTS: tl.constexpr,
-    DOT_PREC: tl.constexpr, DOT_UPCAST: tl.constexpr, EVICT: tl.constexpr,
+    DOT_PREC: tl.constexpr, DOT_UPCAST: tl.constexpr, EVICT: tl.constexpr, STORE_SCORES: tl.constexpr,
 ):
     """Exact attention (flash-decoding): one split of one (batch, KV head), all heads of the group.
 
     One pass over the split's K and V with an online softmax (log2 domain); the split
     writes its unnormalised partial output, max and sum, and the last split program of
-    the row (a counter in ``Sem``, zeroed again by it) merges them.
+    the row (a counter in ``Sem``, zeroed again by it) merges them. With STORE_SCORES
+    it also stores the log2-domain scores (the warmup's quantile reads them and the
+    per-split max and sum).
     """
     split = tl.program_id(0)
     bh = tl.program_id(1)
@@ -570,6 +593,7 @@ def _dense_kernel(
     lo, hi = _split_range(begin, end, split, NUM_SPLITS, BLOCK_N)
     k_base = K + b.to(tl.int64) * stride_kb + hkv.to(tl.int64) * stride_kh
     v_base = V + b.to(tl.int64) * stride_vb + hkv.to(tl.int64) * stride_vh
+    s_base = Scores + row[:, None] * S_MAX
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -581,6 +605,9 @@ def _dense_kernel(
                     mask=kv_mask, other=0.0, eviction_policy="evict_first" if EVICT else "")
         s = _dot(q, tl.trans(k), DOT_PREC, DOT_UPCAST)
         s = tl.where(n_mask[None, :], s * qk_scale, float("-inf"))
+        if STORE_SCORES:
+            tl.store(s_base + offs[None, :], s, mask=g_mask[:, None] & n_mask[None, :],
+                     eviction_policy="evict_last" if EVICT else "")
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.math.exp2(m_i - m_new)
         p = tl.math.exp2(s - m_new[:, None])
@@ -598,23 +625,34 @@ def _dense_kernel(
     done = tl.atomic_add(Sem + bh, 1, sem="acq_rel", scope="gpu")
     if done == NUM_SPLITS - 1:
         tl.store(Sem + bh, 0)  # ready for the next call
-        m = tl.full([BLOCK_G], float("-inf"), tl.float32)
-        for j in range(NUM_SPLITS):
-            m = tl.maximum(m, tl.load(Mp + row * NUM_SPLITS + j, mask=g_mask, other=0.0, cache_modifier=".cg"))
-        m = tl.where(g_mask, m, 0.0)
-        tot = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-        l = tl.zeros([BLOCK_G], tl.float32)
-        for j in range(NUM_SPLITS):
-            pj = row * NUM_SPLITS + j
-            mj = tl.load(Mp + pj, mask=g_mask, other=0.0, cache_modifier=".cg")
-            w = tl.where(mj > float("-inf"), tl.math.exp2(mj - m), 0.0)  # empty splits weigh 0
-            l += w * tl.load(Lp + pj, mask=g_mask, other=0.0, cache_modifier=".cg")
-            tot += w[:, None] * tl.load(Part + pj[:, None] * BLOCK_D + offs_d[None, :], mask=g_mask[:, None],
-                                        other=0.0, cache_modifier=".cg")
-        l = tl.where(g_mask, l, 1.0)
+        # Online merge of the split partials on a G-row head tile, CH splits per load.
+        offs_ga = tl.arange(0, BLOCK_GA)
+        ga_mask = offs_ga < G
+        row_c = b.to(tl.int64) * HQ + hkv * G + offs_ga
+        offs_c = tl.arange(0, CH)
+        m = tl.full([BLOCK_GA], float("-inf"), tl.float32)
+        l = tl.zeros([BLOCK_GA], tl.float32)
+        tot = tl.zeros([BLOCK_GA, BLOCK_D], tl.float32)
+        for j0 in range(0, NUM_SPLITS, CH):
+            js = j0 + offs_c
+            pj = row_c[None, :] * NUM_SPLITS + js[:, None]  # [CH, GA]
+            m2 = (js < NUM_SPLITS)[:, None] & ga_mask[None, :]
+            mj = tl.load(Mp + pj, mask=m2, other=float("-inf"), cache_modifier=".cg")
+            lj = tl.load(Lp + pj, mask=m2, other=0.0, cache_modifier=".cg")
+            part = tl.load(Part + pj[:, :, None] * BLOCK_D + offs_d[None, None, :], mask=m2[:, :, None], other=0.0,
+                           cache_modifier=".cg")
+            m_new = tl.maximum(m, tl.max(mj, axis=0))
+            m_ref = tl.where(m_new > float("-inf"), m_new, 0.0)
+            alpha = tl.where(m > float("-inf"), tl.math.exp2(m - m_ref), 0.0)
+            w = tl.where(mj > float("-inf"), tl.math.exp2(mj - m_ref[None, :]), 0.0)  # empty splits weigh 0
+            l = l * alpha + tl.sum(w * lj, axis=0)
+            tot = tot * alpha[:, None] + tl.sum(w[:, :, None] * part, axis=0)
+            m = m_new
+        l = tl.where(ga_mask, l, 1.0)
+        h_c = hkv * G + offs_ga
         tl.store(
-            Out + b.to(tl.int64) * stride_ob + h[:, None] * stride_oh + offs_d[None, :] * stride_od,
-            (tot / l[:, None]).to(Out.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :],
+            Out + b.to(tl.int64) * stride_ob + h_c[:, None] * stride_oh + offs_d[None, :] * stride_od,
+            (tot / l[:, None]).to(Out.dtype.element_ty), mask=ga_mask[:, None] & d_mask[None, :],
         )
 
 
@@ -634,7 +672,7 @@ def _ukey_float(key):
 
 @triton.jit
 def _quantile_kernel(
-    Scores, Mst, Lst, Ast, Tau, SeqLens, Starts, Theta,
+    Scores, Mst, Lst, Tau, SeqLens, Starts, Theta,
     S_MAX, NUM_SPLITS1,
     HQ: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S1: tl.constexpr,
     HAS_SEQ_LENS: tl.constexpr, HAS_STARTS: tl.constexpr, STAGES: tl.constexpr,
@@ -652,7 +690,7 @@ def _quantile_kernel(
     row = tl.program_id(0).to(tl.int64)
     b = row // HQ
     one = tl.full([1], 0, tl.int32) == 0  # [1]-shaped head mask for the shared helper
-    m, l, _ = _row_stats(Mst, Lst, Ast, tl.full([1], 0, tl.int64) + row, one, NUM_SPLITS1, BLOCK_S1)
+    m, l, _, _, _ = _row_ml(Mst, Lst, tl.full([1], 0, tl.int64) + row, one, NUM_SPLITS1, BLOCK_S1)
     m = tl.sum(m, axis=0)
     l = tl.sum(l, axis=0)
     begin, end = _row_range(SeqLens, Starts, b, S_MAX, HAS_SEQ_LENS, HAS_STARTS)
@@ -775,14 +813,20 @@ def scores_pass(geo: dict, ws: Workspace, q, k_cache, scale: float, seq_lens, st
     )
 
 
-def quantile_pass(geo: dict, ws: Workspace, tau: torch.Tensor, seq_lens, starts, cfg: KernelConfig) -> torch.Tensor:
-    """Warmup: theta [B, Hq] from the stored scores (run right after pass 1: L2-hot)."""
+def quantile_pass(geo: dict, ws: Workspace, tau: torch.Tensor, seq_lens, starts, cfg: KernelConfig,
+                  from_dense: bool = False) -> torch.Tensor:
+    """Warmup: theta [B, Hq] from the stored scores (run right after them: L2-hot).
+
+    ``from_dense``: the scores and split statistics come from the dense kernel.
+    """
     theta = torch.empty(geo["B"], geo["Hq"], device=tau.device, dtype=torch.float32)
     has_sl, has_st = seq_lens is not None, starts is not None
+    mst, lst, ns, block_s = (ws.dm, ws.dl, geo["nsd"], geo["BLOCK_SD"]) if from_dense else (
+        ws.mst, ws.lst, geo["ns1"], geo["BLOCK_S1"])
     _quantile_kernel[(geo["B"] * geo["Hq"],)](
-        ws.scores, ws.mst, ws.lst, ws.ast, tau, seq_lens if has_sl else ws.ast, starts if has_st else ws.ast, theta,
-        geo["S"], geo["ns1"],
-        HQ=geo["Hq"], BLOCK=cfg.quantile_block, BLOCK_S1=geo["BLOCK_S1"],
+        ws.scores, mst, lst, tau, seq_lens if has_sl else theta, starts if has_st else theta, theta,
+        geo["S"], ns,
+        HQ=geo["Hq"], BLOCK=cfg.quantile_block, BLOCK_S1=block_s,
         HAS_SEQ_LENS=has_sl, HAS_STARTS=has_st, STAGES=cfg.quantile_stages, num_warps=cfg.quantile_warps,
     )
     return theta
@@ -809,7 +853,7 @@ def filter_pass(
         out.stride(0), out.stride(1), out.stride(2),
         S, geo["ns1"], geo["ns2"],
         HQ=Hq, HKV=Hkv, G=geo["G"], BLOCK_G=geo["BLOCK_G"], BLOCK_GA=geo["BLOCK_GA"], D=D, BLOCK_D=geo["BLOCK_D"],
-        BLOCK_N=cfg.block_n2, BLOCK_A=geo["BLOCK_A"], BLOCK_S1=geo["BLOCK_S1"],
+        BLOCK_N=cfg.block_n2, BLOCK_A=geo["BLOCK_A"], BLOCK_S1=geo["BLOCK_S1"], CH=geo["CH2"],
         HAS_SEQ_LENS=has_sl, HAS_STARTS=has_st,
         USE_DOT=geo["use_dot"], DOT_PREC=geo["prec"], DOT_UPCAST=geo["upcast"], KEEP_ALL=eta is None,
         COMPACT=compact, DENSE_PCT=cfg.dense_pct,
@@ -849,6 +893,9 @@ def sparse(geo: dict, ws: Workspace, q, k_cache, v_cache, eta, scale: float, seq
 def warmup(geo: dict, ws: Workspace, q, k_cache, v_cache, tau, scale: float, seq_lens, starts,
            cfg: KernelConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact output plus theta; ``tau`` is a float64 [B, Hq] tensor."""
+    if cfg.warmup_dense:
+        out = dense(geo, ws, q, k_cache, v_cache, scale, seq_lens, starts, cfg, store_scores=True)
+        return out, quantile_pass(geo, ws, tau, seq_lens, starts, cfg, from_dense=True)
     pdl = geo["pdl"]
     scores_pass(geo, ws, q, k_cache, scale, seq_lens, starts, cfg, pdl)
     try:
@@ -860,22 +907,23 @@ def warmup(geo: dict, ws: Workspace, q, k_cache, v_cache, tau, scale: float, seq
     return out, theta
 
 
-def dense(geo: dict, ws: Workspace, q, k_cache, v_cache, scale: float, seq_lens, starts, cfg: KernelConfig) -> torch.Tensor:
-    """Exact attention over the valid keys (flash-decoding split-K)."""
+def dense(geo: dict, ws: Workspace, q, k_cache, v_cache, scale: float, seq_lens, starts, cfg: KernelConfig,
+          store_scores: bool = False) -> torch.Tensor:
+    """Exact attention over the valid keys (flash-decoding split-K); optionally stores the scores."""
     B, Hq, Hkv, D = geo["B"], geo["Hq"], geo["Hkv"], geo["D"]
     out = torch.empty(B, Hq, D, device=q.device, dtype=q.dtype)
     has_sl, has_st = seq_lens is not None, starts is not None
     _dense_kernel[(geo["nsd"], B * Hkv)](
         q, k_cache, v_cache, seq_lens if has_sl else ws.dm, starts if has_st else ws.dm,
-        ws.dpart, ws.dm, ws.dl, ws.dense_sem, out,
+        ws.dpart, ws.dm, ws.dl, ws.dense_sem, out, ws.scores if store_scores else ws.dm,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
         out.stride(0), out.stride(1), out.stride(2),
         scale * LOG2E, geo["S"], geo["nsd"],
-        HQ=Hq, HKV=Hkv, G=geo["G"], BLOCK_G=max(16, geo["BLOCK_GA"]), D=D, BLOCK_D=geo["BLOCK_D"],
-        BLOCK_N=cfg.block_nd, HAS_SEQ_LENS=has_sl, HAS_STARTS=has_st,
-        DOT_PREC=geo["prec"], DOT_UPCAST=geo["upcast"], EVICT=cfg.evict,
+        HQ=Hq, HKV=Hkv, G=geo["G"], BLOCK_G=max(16, geo["BLOCK_GA"]), BLOCK_GA=geo["BLOCK_GA"], D=D,
+        BLOCK_D=geo["BLOCK_D"], BLOCK_N=cfg.block_nd, CH=geo["CHD"], HAS_SEQ_LENS=has_sl, HAS_STARTS=has_st,
+        DOT_PREC=geo["prec"], DOT_UPCAST=geo["upcast"], EVICT=cfg.evict, STORE_SCORES=store_scores,
         num_warps=cfg.warpsd, num_stages=cfg.stagesd,
     )
     return out
