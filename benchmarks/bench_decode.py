@@ -384,7 +384,8 @@ def run_tune_grid(args):
                 print("fail", kw, repr(e)[:300], flush=True)
                 continue
             res = dict(B=B, Hq=Hq, Hkv=Hkv, S=S, cfg=kw, sdpa_graph_ms=t_sdpa, splits=[kern.geometry[x] for x in ("ns1", "ns2", "nsd")])
-            for j, sp in enumerate(sps):
+            dense_only = bool(kw) and set(kw) <= dense_keys - {"evict", "fill"}
+            for j, sp in enumerate([] if dense_only else sps):
                 etas = [t[j][0] for t in ths]
                 q, k, v = sets[0]
                 try:
@@ -405,7 +406,7 @@ def run_tune_grid(args):
                 except Exception as e:  # noqa: BLE001
                     print("fail dense", kw, repr(e)[:300], flush=True)
             rows.append(res)
-            cells = " ".join(f"s={sp}:{res[f'sift_{sp}']['ratio']:.3f}{'' if res[f'sift_{sp}']['ok'] else '!'}" for sp in sps)
+            cells = " ".join(f"s={sp}:{res[f'sift_{sp}']['ratio']:.3f}{'' if res[f'sift_{sp}']['ok'] else '!'}" for sp in sps if f"sift_{sp}" in res)
             extra = "".join(f" {n}:{res[n]['ratio']:.3f}" for n in ("dense", "warmup") if n in res)
             print(f"grid B={B} H={Hq}/{Hkv} S={S} {json.dumps(kw):60s} sdpa {t_sdpa:.4f} ms  {cells}{extra}", flush=True)
         del sets
