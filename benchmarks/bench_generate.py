@@ -104,8 +104,8 @@ def hf_generate(model, ids, new: int) -> dict:
     return {"prefill_s": prefill, "decode_ms": (total - prefill) / (new - 1) * 1e3}
 
 
-def fast(model, ids, method, new: int, chunk: int) -> dict:
-    res = generate(model, ids, None, method, max_new_tokens=new, eos_token_id=-1, pad_token_id=0, prefill_chunk=chunk)
+def fast(model, ids, method, new: int, chunk: int, compile: bool = False) -> dict:
+    res = generate(model, ids, None, method, max_new_tokens=new, eos_token_id=-1, pad_token_id=0, prefill_chunk=chunk, compile=compile)
     t = res.timings
     out = {"prefill_s": t["prefill_s"], "decode_ms": t["decode_s"] / t["decode_steps"] * 1e3, "phases": t["phases"], "tokens": res.new_tokens[:, :8].tolist()}
     sparse = t["phases"].get("sparse")
@@ -141,6 +141,64 @@ def profile_steps(model, ids, method, new: int = 6) -> str:
         handle.remove()
     free()
     return prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70)
+
+
+def attention_share(model, ids, tau: float, warmup: int) -> dict:
+    """GPU time of the attention alone in one decode step (all layers, CUDA graphs), dense against Sift.
+
+    Replays the real queries and caches of a Sift generation after its warmup: 32 dense
+    kernel calls, 32 sparse kernel calls at the fitted thresholds, and 32 whole Sift
+    decode steps (thresholds, kernels, statistics), each captured as one graph.
+    """
+    import triton.testing
+
+    from siftattention.generation.loop import _Loop, _Sampler
+
+    method = Sift(tau=tau, warmup=warmup)
+    seen: dict[int, tuple] = {}
+    original = method.decode_step
+
+    def spy(query, k_cache, v_cache, keys, state, phase, kernels):
+        seen[len(seen) % model.config.num_hidden_layers] = (query.clone(), k_cache, v_cache, keys, state, phase, kernels)
+        return original(query, k_cache, v_cache, keys, state, phase, kernels)
+
+    method.decode_step = spy
+    handle = apply(model, method)
+    try:
+        loop = _Loop(model, handle, ids, torch.ones_like(ids), warmup + 4, _Sampler(False, 1.0, None), None, 0, False)
+        handle.context = loop.ctx
+        with torch.inference_mode():
+            loop.prefill(ids, torch.ones_like(ids), 8192)
+            for step in range(warmup + 2):
+                loop.decode(step)
+            calls = [seen[i] for i in sorted(seen)]
+            from siftattention.methods.base import KeyRange
+
+            def dense():
+                for q, k, v, keys, state, phase, kern in calls:
+                    kern.dense(q, k, v, keys.seq_lens, keys.starts)
+
+            def sparse():
+                for q, k, v, keys, state, phase, kern in calls:
+                    eta = torch.exp(state.alpha.log() - state.beta * keys.steps().float().log()[:, None])
+                    kern.sparse(q, k, v, eta, keys.seq_lens, keys.starts)
+
+            def whole():
+                for q, k, v, keys, state, phase, kern in calls:
+                    original(q, k, v, keys, state, "sparse", kern)
+
+            out = {}
+            for name, fn in (("dense", dense), ("sparse_kernels", sparse), ("sift_decode_step", whole)):
+                fn()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    fn()
+                out[name + "_ms"] = triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median")
+    finally:
+        handle.context = None
+        handle.remove()
+    free()
+    return out
 
 
 def calibrate(grid: list[float], tau: float, warmup: int) -> tuple[float, list]:
@@ -204,6 +262,8 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--profile", action="store_true", help="print the kernels of one eager decode step of each method")
+    ap.add_argument("--attention-share", action="store_true", help="time the attention of one step alone (dense, sparse)")
+    ap.add_argument("--compile", action="store_true", help="torch.compile the decode step's model code (both fast paths)")
     ap.add_argument("--out", type=Path, default=Path("bench_generate.json"))
     args = ap.parse_args()
 
@@ -226,14 +286,21 @@ def main() -> None:
             table = profile_steps(model, ids, method)
             report.setdefault("profile", {})[method.name] = table
             print(f"profile {method.name}, {args.settings[0]}:\n{table}", flush=True)
+    if args.attention_share:
+        report["attention_share"] = {}
+        for setting in args.settings:
+            batch, prompt = (int(x) for x in setting.split("x"))
+            ids = torch.randint(3, 128000, (batch, prompt), device="cuda")
+            report["attention_share"][setting] = attention_share(model, ids, args.tau, args.warmup)
+            print(f"attention share {setting}: {report['attention_share'][setting]}", flush=True)
     rows = []
     for setting in args.settings:
         batch, prompt = (int(x) for x in setting.split("x"))
         row = {"batch": batch, "prompt": prompt, "floor_ms": floor_ms(model, batch, prompt + args.new // 2, report["copy_bw_tb_s"] * 1e12)}
         ids = torch.randint(3, 128000, (batch, prompt), device="cuda")
         for name, fn in (
-            ("dense", lambda: fast(model, ids, Full(), args.new, args.prefill_chunk)),
-            ("sift", lambda: fast(model, ids, Sift(tau=args.tau, warmup=args.warmup), args.new, args.prefill_chunk)),
+            ("dense", lambda: fast(model, ids, Full(), args.new, args.prefill_chunk, args.compile)),
+            ("sift", lambda: fast(model, ids, Sift(tau=args.tau, warmup=args.warmup), args.new, args.prefill_chunk, args.compile)),
             ("hf", lambda: None if args.skip_hf else hf_generate(model, ids, args.hf_new)),
         ):
             try:

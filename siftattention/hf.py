@@ -181,7 +181,9 @@ class SiftHandle:
             raise AlreadyAppliedError(
                 f"{cls.__name__} already runs {current.method.spec()} ({current.name}); remove that handle before applying another method"
             )
-        AttentionInterface.register(self.name, self._attention)
+        # Opaque to torch.compile: the method's Python routing and its kernels stay eager
+        # (the fast loop compiles the rest of the model around them).
+        AttentionInterface.register(self.name, torch.compiler.disable(self._attention))
         AttentionMaskInterface.register(self.name, sdpa_mask if self.method.always_exact else _boolean_mask)
         try:
             self.model.set_attn_implementation(self.name)

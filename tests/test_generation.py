@@ -82,6 +82,7 @@ class _KeepAllSift(Sift):
     def _fit(self, state, which):
         super()._fit(state, which)
         state.alpha.zero_()
+        state.log_alpha.fill_(float("-inf"))  # log 0: what the decode step reads
 
 
 def test_sift_that_keeps_everything_generates_full_tokens():

@@ -60,16 +60,20 @@ class DecodeContext:
         self.seq_lens = torch.full_like(self.starts, prompt_len + 1)  # keys visible to the token being decoded
         self.write_pos = torch.full((1,), prompt_len, dtype=torch.long, device=device)
         self.counter = torch.zeros(1, dtype=torch.long, device=device)  # decode steps done
+        self.steps = self.seq_lens - self.starts  # S of every row (layers without a window)
+        self.log_steps = self.steps.float().log()
 
     def keys(self, window: int | None) -> KeyRange:
         if window is None:
-            return KeyRange(self.seq_lens, self.starts)
+            return KeyRange(self.seq_lens, self.starts, self.steps, self.log_steps)
         return KeyRange(self.seq_lens, torch.maximum(self.starts, self.seq_lens - window))
 
     def advance(self) -> None:
         self.seq_lens += 1
         self.write_pos += 1
         self.counter += 1
+        self.steps += 1
+        torch.log(self.steps.float(), out=self.log_steps)
 
 
 def fast_path_problem(model: torch.nn.Module, method: Method) -> str | None:
@@ -138,8 +142,10 @@ def _forward_kwargs(model: torch.nn.Module) -> set[str]:
 class _Loop:
     """One generation: buffers, the prefill and the per-phase decode steps of one batch."""
 
-    def __init__(self, model, handle: SiftHandle, input_ids, mask, max_new_tokens, sampler, eos, pad_token_id, use_graphs, output_scores=False) -> None:
+    def __init__(self, model, handle: SiftHandle, input_ids, mask, max_new_tokens, sampler, eos, pad_token_id, use_graphs, output_scores=False, compile=False) -> None:
         self.model, self.handle, self.sampler = model, handle, sampler
+        # torch.compile fuses the model's small ops around the attention (which stays eager).
+        self.forward = torch.compile(model.forward, dynamic=False) if compile else model.forward
         self.B, self.P = input_ids.shape
         self.T = max_new_tokens
         self.device = input_ids.device
@@ -198,7 +204,7 @@ class _Loop:
         kwargs: dict[str, Any] = dict(attention_mask=self.no_mask, position_ids=self.positions[:, None], past_key_values=self.cache, use_cache=True)
         if "cache_position" in self.accepts:
             kwargs["cache_position"] = self.ctx.write_pos
-        logits = self.model(input_ids=self.tokens[:, None], **kwargs).logits[:, -1]
+        logits = self.forward(input_ids=self.tokens[:, None], **kwargs).logits[:, -1]
         self._emit(logits, self.ctx.counter + 1)
         self.positions += 1
         self.ctx.advance()
@@ -267,6 +273,7 @@ def generate(
     check_every: int = 16,
     output_scores: bool = False,
     prefill_chunk: int | None = None,
+    compile: bool = False,
 ) -> GenerationResult:
     """Generate with ``method`` through the fast decode loop (docs/design.md, "Fast decode path").
 
@@ -274,7 +281,9 @@ def generate(
     cache; each new token is one step of the whole model, replayed from a CUDA graph
     per method phase on CUDA (``cuda_graphs=None``: on CUDA) and run eagerly on the
     CPU. ``Full()`` (the default) is the dense baseline on the same path.
-    ``prefill_chunk`` splits a long prompt's prefill into chunks of that many tokens. Where the
+    ``prefill_chunk`` splits a long prompt's prefill into chunks of that many tokens;
+    ``compile=True`` runs the decode step's model code through ``torch.compile``
+    (fused norms, rotary embeddings and activations; the first call compiles). Where the
     model or method cannot use this path (for example ``H2O``), a one-line warning
     says why and transformers' ``generate`` with ``apply`` runs instead.
 
@@ -301,7 +310,7 @@ def generate(
     handle = apply(model, method, decode_backend=decode_backend)
     try:
         handle.reset()
-        loop = _Loop(model, handle, input_ids, mask, max_new_tokens, sampler, _eos_tensor(eos_token_id, input_ids.device), pad_token_id, use_graphs, output_scores)
+        loop = _Loop(model, handle, input_ids, mask, max_new_tokens, sampler, _eos_tensor(eos_token_id, input_ids.device), pad_token_id, use_graphs, output_scores, compile)
         handle.context = loop.ctx
         with torch.inference_mode():
             sync = torch.cuda.synchronize if input_ids.is_cuda else (lambda: None)

@@ -54,11 +54,19 @@ class KeyRange:
 
     seq_lens: torch.Tensor  # [B] int32
     starts: torch.Tensor | None = None  # [B] int32
+    #: S and log S per row when the caller keeps them already (the fast loop updates them once a step).
+    step_count: torch.Tensor | None = None  # [B] int32
+    log_step_count: torch.Tensor | None = None  # [B] float32
 
     def steps(self) -> torch.Tensor:
-        """The generation step S of each row ([B] int64): the number of valid keys."""
-        lens = self.seq_lens.long()
-        return lens if self.starts is None else lens - self.starts.long()
+        """The generation step S of each row ([B] integers): the number of valid keys."""
+        if self.step_count is not None:
+            return self.step_count
+        return self.seq_lens if self.starts is None else self.seq_lens - self.starts
+
+    def log_steps(self) -> torch.Tensor:
+        """log S per row, float32 [B]."""
+        return self.log_step_count if self.log_step_count is not None else self.steps().float().log()
 
 
 @dataclass

@@ -28,6 +28,7 @@ class SiftState:
     alpha: torch.Tensor  # [B, H]
     beta: torch.Tensor  # [B, H]
     r2: torch.Tensor  # [B, H] in-sample R^2 of the warmup fit
+    log_alpha: torch.Tensor  # [B, H] log alpha of fitted rows, -inf elsewhere (so the decode threshold is 0)
 
 
 @dataclass
@@ -57,6 +58,7 @@ class Sift(Method):
             alpha=torch.ones(batch, heads, **f32),
             beta=torch.zeros(batch, heads, **f32),
             r2=torch.zeros(batch, heads, **f32),
+            log_alpha=torch.full((batch, heads), float("-inf"), **f32),
         )
 
     def _record(self, rows: Rows, state: SiftState, record: torch.Tensor, slot: torch.Tensor) -> None:
@@ -84,6 +86,8 @@ class Sift(Method):
         state.beta.copy_(torch.where(pick, fit.beta.float(), state.beta))
         state.r2.copy_(torch.where(pick, fit.r2.float(), state.r2))
         state.fitted |= which
+        # As powerlaw.predict computes it, once: eta = exp(log alpha - beta log S).
+        state.log_alpha.copy_(torch.where(state.fitted[:, None], state.alpha.clamp(min=torch.finfo(torch.float32).tiny).log(), float("-inf")))
 
     def select(self, rows: Rows, state: SiftState) -> Selection:
         # Index of each step row within its sequence's steps: warmup rows come first.
@@ -118,9 +122,9 @@ class Sift(Method):
             if phase == "fit":
                 self._fit(state, state.count >= self.warmup)
             return DecodeOutput(out, None, False)
-        eta = predict(state.alpha, state.beta, keys.steps().float()[:, None])  # [B, Hq]
-        # A sequence without a fit (a one-token prompt with warmup_source='prefill') keeps every key.
-        eta = torch.where(state.fitted[:, None], eta, torch.zeros_like(eta))
+        # powerlaw.predict's arithmetic; a row without a fit (a one-token prompt with
+        # warmup_source='prefill') has log alpha = -inf, so eta = 0 and it keeps every key.
+        eta = torch.exp(state.log_alpha - state.beta * keys.log_steps()[:, None])  # [B, Hq]
         out, kept = kernels.sparse(query, k_cache, v_cache, eta, keys.seq_lens, keys.starts)
         return DecodeOutput(out, kept, state.fitted)
 
