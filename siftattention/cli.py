@@ -185,8 +185,11 @@ def list_models() -> None:
 
 
 from .cli_analyze import analyze  # noqa: E402  (the command lives beside its analysis code)
+from .cli_eval import commands as eval_commands  # noqa: E402  (eval, sweep, lm-eval)
 
 cli.add_command(analyze)
+for _command in eval_commands:
+    cli.add_command(_command)
 
 
 # Errors a user can cause: one line on stderr, exit status 2, no traceback.

@@ -1,0 +1,205 @@
+"""``sift eval``, ``sift sweep`` and ``sift lm-eval``: generation tasks with the methods applied.
+
+Registered in the ``sift`` group with ``cli.add_command``; bad input is one line on stderr
+(``sift: error: ...``) and exit status 2, checked before the model loads where possible.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import click
+from rich.console import Console
+
+from .methods import SPEC_HELP
+
+console = Console(width=None if sys.stdout.isatty() else 160)
+err_console = Console(stderr=True)
+
+
+class EvalError(click.ClickException):
+    """A user error: one line ``sift: error: ...`` on stderr, exit status 2."""
+
+    exit_code = 2
+
+    def show(self, file=None) -> None:  # noqa: ARG002 - click's signature
+        err_console.print(f"sift: error: {self.message}", highlight=False, markup=False, soft_wrap=True)
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from .hf import UnsupportedModelError
+    from .models import ModelNotFoundError
+
+    # ValueError covers SpecError, TaskDataError and RunMismatchError; FileNotFoundError covers DataNotFoundError.
+    return (ValueError, FileNotFoundError, ImportError, ModelNotFoundError, UnsupportedModelError)
+
+
+def _resolve_device(device: str) -> str:
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: no CUDA device is available")
+    return device
+
+
+DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+
+
+def load_for_eval(model_name: str, device: str, dtype: str):
+    import torch
+
+    from .models import load_model
+
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    with console.status(f"loading {model_name} ..."):
+        start = time.perf_counter()
+        model, tokenizer = load_model(model_name, dtype=getattr(torch, dtype), device=_resolve_device(device))
+    console.print(f"model: {model_name} ({type(model).__name__}, {dtype}, {model.device}) loaded in {time.perf_counter() - start:.1f} s")
+    return model, tokenizer
+
+
+def progress_bar():
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn()]
+    return Progress(*columns, console=console)
+
+
+def run_eval(task_name: str, model_name: str, specs: Sequence[str], *, out: Path, limit: int | None, max_new_tokens: int | None,
+             batch_size: int, data_path: Path | None, task_options: dict[str, Any], chat: bool, min_new_tokens: int | None,
+             device: str, dtype: str, path: str, loaded=None) -> list[dict]:
+    """Check everything cheap, load the model, evaluate with a progress bar, print the table."""
+    from .eval.generation_eval import EvalSettings, check_run, check_settings, evaluate_generation, run_key, with_full
+    from .eval.tasks import get_task
+
+    methods = with_full(specs)  # a bad spec fails before anything else
+    task = get_task(task_name, **task_options)
+    settings = EvalSettings(model=model_name, max_new_tokens=max_new_tokens or task.default_max_new_tokens, batch_size=batch_size,
+                            limit=limit, chat=chat, min_new_tokens=min_new_tokens, path=path)
+    check_settings(settings)
+    data = task.load(data_path)
+    check_run(out / task.name, run_key(task, data, settings))
+    n = min(limit or len(data.samples), len(data.samples))
+    console.print(f"task: {task.name}, {n} of {len(data.samples)} samples from {data.source}; methods: {', '.join(s for s, _ in methods)}")
+    model, tokenizer = loaded or load_for_eval(model_name, device, dtype)
+    start = time.perf_counter()
+    with progress_bar() as progress:
+        bar = progress.add_task(task.name, total=len(methods) * n)
+        offsets: dict[str, int] = {}
+
+        def on_progress(spec: str, done: int, total: int) -> None:
+            if spec not in offsets:
+                offsets[spec] = len(offsets) * total
+            progress.update(bar, completed=offsets[spec] + done, description=f"{task.name} [{spec}]")
+
+        summaries = evaluate_generation(model, tokenizer, task, data, [s for s, _ in methods], out, settings, on_progress=on_progress)
+    print_summaries(task.name, summaries, title=f"{model_name} / {task.name} ({n} samples, max {settings.max_new_tokens} new tokens)")
+    console.print(f"wrote {out / task.name}/ (per-sample JSONL, summary.json) in {time.perf_counter() - start:.0f} s")
+    return summaries
+
+
+def print_summaries(task_name: str, summaries: Sequence[dict], title: str) -> None:
+    from .eval.generation_eval import summary_table_rows
+    from .report import results_table
+
+    rows = summary_table_rows(summaries)
+    columns = [(key, key) for key in rows[0]] if rows else []
+    console.print(results_table(rows, columns, title=title))
+
+
+def _wrap_user_errors(fn, *args, **kwargs):
+    try:
+        return fn(*args, **kwargs)
+    except _user_errors() as err:
+        message = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise EvalError(message) from None
+
+
+@click.command(
+    name="eval",
+    help="Evaluate methods on a generation task (ifeval, math-hard, longgen, longgen-wu): batched greedy decoding with "
+    "the chat template, per-sample JSONL and a summary per method in OUT/TASK/, resumable.\n\n\b\n" + SPEC_HELP,
+)
+@click.argument("task_name", metavar="TASK")
+@click.option("--model", "model_name", default="smollm2-135m", show_default=True, help="embedded name, local directory or hub id")
+@click.option("--method", "specs", multiple=True, required=True, help="method spec, repeatable; Full always runs (agreement)")
+@click.option("--limit", type=int, default=None, help="the first N samples [default: all]")
+@click.option("--max-new-tokens", type=int, default=None, help="generation cap [default: the task's: ifeval 1280, math-hard 1024, longgen 4096]")
+@click.option("--batch-size", type=int, default=8, show_default=True)
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("runs/eval"), show_default=True)
+@click.option("--data-file", type=click.Path(path_type=Path), default=None, help="the task's data file (JSONL, or the LongGenBench file)")
+@click.option("--data-dir", type=click.Path(path_type=Path), default=None, help="a directory with the LongGenBench files (gsm8k/, spinning-golden-thread/)")
+@click.option("--task-option", "task_options", multiple=True, help="KEY=VALUE, repeatable: longgen k=35, math-hard fewshot=4")
+@click.option("--chat/--no-chat", default=True, show_default=True, help="prompt through the tokenizer's chat template")
+@click.option("--min-new-tokens", type=int, default=None, help="'valid' samples generated at least this many tokens [default: the largest warmup]")
+@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda")
+@click.option("--dtype", default="float32", show_default=True, help="float32, bfloat16, float16")
+@click.option("--path", "gen_path", type=click.Choice(["auto", "fast", "reference"]), default="auto", show_default=True,
+              help="decode path: the fast loop (siftattention.generation) or transformers' generate")
+def eval_command(task_name: str, model_name: str, specs: tuple[str, ...], limit: int | None, max_new_tokens: int | None, batch_size: int,
+                 out: Path, data_file: Path | None, data_dir: Path | None, task_options: tuple[str, ...], chat: bool,
+                 min_new_tokens: int | None, device: str, dtype: str, gen_path: str) -> None:
+    from .eval.tasks import parse_options
+
+    def run() -> None:
+        if data_file is not None and data_dir is not None:
+            raise ValueError("give --data-file or --data-dir, not both")
+        if limit is not None and limit < 1:
+            raise ValueError(f"--limit must be >= 1, got {limit}")
+        run_eval(task_name, model_name, specs, out=out, limit=limit, max_new_tokens=max_new_tokens, batch_size=batch_size,
+                 data_path=data_file or data_dir, task_options=parse_options(task_options), chat=chat, min_new_tokens=min_new_tokens,
+                 device=device, dtype=dtype, path=gen_path)
+
+    _wrap_user_errors(run)
+
+
+@click.command(name="sweep", help="Run a grid of tasks x methods x parameters from a TOML file (see docs/eval.md); "
+               "resumable (finished samples and cells are skipped); writes sweep.json, sweep.md and the paper's figures.")
+@click.argument("config", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None, help="overrides the config's out")
+@click.option("--plots-only", is_flag=True, help="redraw the figures and tables from the finished cells, decode nothing")
+def sweep_command(config: Path, out: Path | None, plots_only: bool) -> None:
+    from .eval.sweep import load_sweep, run_sweep
+
+    def run() -> None:
+        sweep = load_sweep(config)
+        if out is not None:
+            sweep.out = out
+        run_sweep(sweep, plots_only=plots_only)
+
+    _wrap_user_errors(run)
+
+
+@click.command(name="lm-eval", help="Run lm-evaluation-harness tasks on the model with a method applied (HFLM on the patched "
+               "model): generation tasks decode with the method in decode mode, loglikelihood tasks run teacher-forced.\n\n\b\n" + SPEC_HELP)
+@click.option("--tasks", required=True, help="comma-separated lm-eval task names")
+@click.option("--model", "model_name", default="smollm2-135m", show_default=True)
+@click.option("--method", "specs", multiple=True, default=("full",), show_default=True, help="method spec, repeatable: one lm-eval run each")
+@click.option("--limit", type=int, default=None, help="samples per task")
+@click.option("--batch-size", type=int, default=8, show_default=True)
+@click.option("--num-fewshot", type=int, default=None)
+@click.option("--include-path", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None, help="extra task YAML directory")
+@click.option("--apply-chat-template/--no-apply-chat-template", default=False, show_default=True)
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("runs/lm-eval"), show_default=True)
+@click.option("--device", default="auto", show_default=True)
+@click.option("--dtype", default="float32", show_default=True)
+def lm_eval_command(tasks: str, model_name: str, specs: tuple[str, ...], limit: int | None, batch_size: int, num_fewshot: int | None,
+                    include_path: Path | None, apply_chat_template: bool, out: Path, device: str, dtype: str) -> None:
+    from .eval.lm_eval_bridge import run_lm_eval
+
+    def run() -> None:
+        if limit is not None and limit < 1:
+            raise ValueError(f"--limit must be >= 1, got {limit}")
+        run_lm_eval(tasks, model_name, specs, limit=limit, batch_size=batch_size, num_fewshot=num_fewshot, include_path=include_path,
+                    apply_chat_template=apply_chat_template, out=out, device=device, dtype=dtype, console=console)
+
+    _wrap_user_errors(run)
+
+
+commands = [eval_command, sweep_command, lm_eval_command]

@@ -1,0 +1,432 @@
+"""Generation-task evaluation: batched greedy decoding per method, per-sample JSONL, summaries, resume.
+
+For one task and several methods, ``evaluate_generation`` prompts the model (chat template,
+left padding), decodes greedily with each method in decode mode (exact prefill, then the
+method's per-sequence warmup and thresholds), scores every response with the task's
+checker and measures how far it stays with Full's response on the same prompt.
+
+Layout of ``out/<task>/``:
+
+- ``run.json``: what the results depend on (model, data digest, chat, generation cap, batch
+  size); a later run into the same directory must match it, so resumed results never mix settings;
+- ``<method>.jsonl``: one line per finished sample (prompt id, generated tokens and text,
+  token count, realized sparsity, score fields, agreement with Full), appended batch by
+  batch: an interrupted run loses at most the batch in flight, and a resumed run skips
+  finished samples (batches are fixed chunks of the task's sample order, so a resumed run
+  decodes exactly the batches an uninterrupted one would);
+- ``<method>.summary.json`` and ``summary.json``: metrics over all samples and over the
+  samples that generated at least ``min_new_tokens`` tokens (the paper drops the others),
+  with how many were dropped.
+
+Full always runs first (added when not asked for): agreement needs its tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ..methods import Full, Method, parse_method
+from .tasks import Sample, Task, TaskData, agreement
+from .tasks.base import mean
+
+RUN_KEYS = ("task", "task_options", "model", "chat", "max_new_tokens", "batch_size", "data_sha256")
+
+
+class RunMismatchError(ValueError):
+    """The output directory holds results made with other settings."""
+
+
+# -- prompts ------------------------------------------------------------------------------------
+def has_chat_template(tokenizer) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def encode_prompts(tokenizer, samples: Sequence[Sample], chat: bool) -> list[list[int]]:
+    """Token ids of each prompt: the chat template with a generation prompt, or the plain text."""
+    encoded = []
+    for s in samples:
+        if chat:
+            text = tokenizer.apply_chat_template(list(s.messages), add_generation_prompt=True, tokenize=False)
+            encoded.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+        else:
+            encoded.append(tokenizer(s.plain)["input_ids"])
+    return encoded
+
+
+def left_pad(batch: Sequence[Sequence[int]], pad_id: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, P] input ids padded on the left and the matching attention mask."""
+    width = max(len(ids) for ids in batch)
+    input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
+    for row, ids in enumerate(batch):
+        input_ids[row, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
+        mask[row, width - len(ids) :] = 1
+    return input_ids.to(device), mask.to(device)
+
+
+END_OF_TURN = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|end|>", "<|endoftext|>", "</s>", "<eos>")
+
+
+def stop_token_ids(model, tokenizer) -> list[int]:
+    """Every id that ends a reply: the generation config's EOS, the tokenizer's, and known end-of-turn tokens."""
+    ids: list[int] = []
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for value in (configured, getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(value, int):
+            ids.append(value)
+        elif isinstance(value, (list, tuple)):
+            ids.extend(int(v) for v in value)
+    vocab = tokenizer.get_vocab()
+    ids.extend(vocab[t] for t in END_OF_TURN if t in vocab)
+    return sorted(set(ids))
+
+
+# -- generation ---------------------------------------------------------------------------------
+@dataclass
+class BatchOutput:
+    tokens: list[list[int]]  # new tokens of each row, up to and including its EOS
+    hit_eos: list[bool]
+    sparsity: list[float]  # per row, over its decode steps (NaN where it has none)
+    sparsity_post_warmup: list[float]
+    fast: bool
+
+
+def sequence_sparsity(stats, method: Method, num_generated: torch.Tensor, post_warmup: bool) -> list[float]:
+    """Realized sparsity of each row over the decode steps that produced its tokens.
+
+    Token ``t >= 1`` of a row is produced by decode step ``t - 1`` (token 0 by the prefill),
+    so a row with ``n`` tokens (its EOS included) counts its first ``n - 1`` steps; steps run
+    after its EOS, while other rows go on, do not count.
+    """
+    n = num_generated.cpu()
+    if method.always_exact:
+        return [0.0 if int(k) > 1 else float("nan") for k in n]
+    sparsity, selected = stats.rows(post_warmup=post_warmup)
+    if sparsity.numel() == 0:
+        return [float("nan")] * len(n)
+    steps = torch.arange(sparsity.shape[-1])
+    within = steps[None, :] < (n[:, None] - 1)  # [B, N]
+    weight = (selected & within[None, :, None, :]).expand_as(sparsity).double()
+    total = weight.sum(dim=(0, 2, 3))
+    value = (sparsity * weight).sum(dim=(0, 2, 3)) / total.clamp(min=1)
+    return [float(v) if t > 0 else float("nan") for v, t in zip(value, total)]
+
+
+def _reference_generate(model, input_ids, mask, method, max_new_tokens, eos_ids, pad_id):
+    """transformers' ``generate`` with the method applied (the reference decode path)."""
+    from types import SimpleNamespace
+
+    from ..hf import apply
+
+    with apply(model, method) as handle, torch.inference_mode():
+        out = model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                             eos_token_id=eos_ids, pad_token_id=pad_id, min_new_tokens=0)
+    new = out[:, input_ids.shape[1] :]
+    hit = torch.isin(new, torch.tensor(eos_ids, device=new.device))
+    full = torch.full((new.shape[0],), new.shape[1], dtype=torch.long, device=new.device)
+    num = torch.where(hit.any(1), hit.int().argmax(1) + 1, full)
+    return SimpleNamespace(new_tokens=new, num_generated=num, stats=handle.stats, fast=False)
+
+
+def _fast_generate():
+    try:
+        from ..generation import generate
+    except ImportError:
+        return None
+    return generate
+
+
+def generate_batch(model, input_ids: torch.Tensor, mask: torch.Tensor, method: Method, max_new_tokens: int, eos_ids: list[int],
+                   pad_id: int, path: str = "auto") -> BatchOutput:
+    """Greedy generation of one left-padded batch with ``method``.
+
+    ``path``: "fast" is ``siftattention.generation.generate`` (fixed cache, CUDA graphs on
+    CUDA; it falls back to transformers' generate itself where it cannot serve a method),
+    "reference" is transformers' ``generate`` under ``apply``; "auto" takes the fast path
+    when the package has it. Both give the same tokens.
+    """
+    if path not in ("auto", "fast", "reference"):
+        raise ValueError(f"path must be auto, fast or reference, got {path!r}")
+    fast = _fast_generate() if path != "reference" else None
+    if path == "fast" and fast is None:
+        raise ValueError("the fast decode path (siftattention.generation) is not available in this installation")
+    if fast is not None:
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the one-line fallback notice; `fast` is recorded per sample
+            res = fast(model, input_ids, attention_mask=mask, method=method, max_new_tokens=max_new_tokens,
+                       eos_token_id=eos_ids, pad_token_id=pad_id, do_sample=False)
+    else:
+        res = _reference_generate(model, input_ids, mask, method, max_new_tokens, eos_ids, pad_id)
+    num = res.num_generated.cpu()
+    new = res.new_tokens.cpu()
+    tokens = [new[b, : int(num[b])].tolist() for b in range(new.shape[0])]
+    eos = set(eos_ids)
+    return BatchOutput(
+        tokens=tokens,
+        hit_eos=[bool(t) and t[-1] in eos for t in tokens],
+        sparsity=sequence_sparsity(res.stats, method, num, post_warmup=False),
+        sparsity_post_warmup=sequence_sparsity(res.stats, method, num, post_warmup=True),
+        fast=bool(res.fast),
+    )
+
+
+# -- results on disk ----------------------------------------------------------------------------
+def method_slug(method: Method) -> str:
+    """A file name for a method, from its canonical spec (so spellings of one method share it)."""
+    return re.sub(r"[^A-Za-z0-9.]+", "_", method.spec()).strip("_")
+
+
+def intended_sparsity(method: Method) -> float:
+    if method.name in ("sift", "oracle"):
+        return float(method.tau)
+    if method.name in ("topk", "h2o"):
+        return 1.0 - float(method.k)
+    return 0.0
+
+
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    """Finished samples of a method; a torn last line (an interrupted write) is dropped from the file."""
+    if not path.is_file():
+        return []
+    rows, good = [], 0
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    for line in lines:
+        try:
+            rows.append(json.loads(line))
+            good += len(line)
+        except json.JSONDecodeError:
+            break
+    if len(rows) < len(lines):
+        with path.open("r+", encoding="utf-8") as f:
+            f.truncate(good)
+    return rows
+
+
+def append_rows(path: Path, rows: Sequence[dict[str, Any]]) -> None:
+    with path.open("a", encoding="utf-8") as f:
+        f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+        f.flush()
+
+
+def run_key(task: Task, data: TaskData, settings: "EvalSettings") -> dict[str, Any]:
+    """What the results in a task directory depend on (``run.json``)."""
+    return {
+        "task": task.name,
+        "task_options": task.settings,
+        "model": settings.model,
+        "chat": settings.chat,
+        "max_new_tokens": settings.max_new_tokens,
+        "batch_size": settings.batch_size,
+        "data_sha256": data.sha256,
+    }
+
+
+def check_run(task_dir: Path, run: dict[str, Any]) -> None:
+    """Refuse to mix results of different settings in one directory (before any work)."""
+    path = task_dir / "run.json"
+    if not path.is_file():
+        return
+    try:
+        previous = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        raise RunMismatchError(f"{path} is unreadable; use another --out") from None
+    for key in RUN_KEYS:
+        if previous.get(key) != run.get(key):
+            raise RunMismatchError(
+                f"{task_dir} holds results made with {key}={previous.get(key)!r}, not {run.get(key)!r}; use another --out to start afresh"
+            )
+
+
+# -- summaries ----------------------------------------------------------------------------------
+def summarize_rows(task: Task, rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    agree = [r["agreement"] for r in rows if r.get("agreement") is not None]
+    return {
+        "n": len(rows),
+        "metrics": task.aggregate([r["scores"] for r in rows]) if rows else {},
+        "realized_sparsity": mean([r["realized_sparsity"] for r in rows]),
+        "realized_sparsity_post_warmup": mean([r["realized_sparsity_post_warmup"] for r in rows]),
+        "mean_new_tokens": mean([r["num_generated"] for r in rows]),
+        "eos_rate": mean([r["hit_eos"] for r in rows]),
+        "agreement": {
+            key: mean([a[key] for a in agree]) for key in ("lcp_tokens", "lcp_fraction", "rouge_l", "identical")
+        } if agree else None,
+    }
+
+
+def summarize(task: Task, spec: str, method: Method, rows: Sequence[dict[str, Any]], min_new_tokens: int, context: dict[str, Any]) -> dict[str, Any]:
+    """Metrics over all samples and over those that generated >= ``min_new_tokens`` tokens."""
+    valid = [r for r in rows if r["num_generated"] >= min_new_tokens]
+    return {
+        **context,
+        "task": task.name,
+        "method": spec,
+        "method_canonical": method.spec(),
+        "method_name": method.name,
+        "warmup": int(getattr(method, "warmup", 0)),
+        "renormalize": bool(getattr(method, "renormalize", False)),
+        "intended_sparsity": intended_sparsity(method),
+        "headline": task.headline,
+        "all": summarize_rows(task, rows),
+        "valid": {"min_new_tokens": min_new_tokens, "dropped": len(rows) - len(valid), **summarize_rows(task, valid)},
+        "fast_path": any(r.get("fast") for r in rows),
+        "generation_s": round(sum(r.get("seconds", 0.0) for r in rows), 2),
+    }
+
+
+# -- the runner ---------------------------------------------------------------------------------
+@dataclass
+class EvalSettings:
+    model: str
+    max_new_tokens: int
+    batch_size: int = 8
+    limit: int | None = None
+    chat: bool = True
+    min_new_tokens: int | None = None  # default: the largest warmup among the methods
+    path: str = "auto"
+
+
+def with_full(specs: Sequence[str]) -> list[tuple[str, Method]]:
+    """Parsed methods with Full first (added when missing); duplicates of one canonical method dropped."""
+    methods, seen = [], set()
+    for spec in specs:
+        method = parse_method(spec)
+        if method.spec() not in seen:
+            seen.add(method.spec())
+            methods.append((spec, method))
+    fulls = [m for m in methods if m[1].name == "full"]
+    rest = [m for m in methods if m[1].name != "full"]
+    return (fulls or [("full", Full())]) + rest
+
+
+def check_settings(settings: EvalSettings) -> None:
+    if settings.limit is not None and settings.limit < 1:
+        raise ValueError(f"--limit must be >= 1, got {settings.limit}")
+    if settings.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {settings.max_new_tokens}")
+    if settings.batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {settings.batch_size}")
+    if settings.min_new_tokens is not None and settings.min_new_tokens < 0:
+        raise ValueError(f"--min-new-tokens must be >= 0, got {settings.min_new_tokens}")
+
+
+def evaluate_generation(
+    model,
+    tokenizer,
+    task: Task,
+    data: TaskData,
+    specs: Sequence[str],
+    out: Path,
+    settings: EvalSettings,
+    *,
+    on_progress: Callable[[str, int, int], None] | None = None,
+) -> list[dict[str, Any]]:
+    """Run (or resume) every method on the task's samples; returns one summary per method, Full first.
+
+    ``on_progress(spec, done, total)`` is called once per method at its start (with the samples
+    already finished) and after every batch.
+    """
+    check_settings(settings)
+    methods = with_full(specs)
+    if settings.chat and not has_chat_template(tokenizer):
+        raise ValueError(f"the tokenizer of {settings.model} has no chat template; pass --no-chat to prompt with plain text")
+    samples = data.samples[: settings.limit] if settings.limit else list(data.samples)
+    if not samples:
+        raise ValueError(f"task {task.name} has no samples ({data.source})")
+    run = run_key(task, data, settings)
+    task_dir = Path(out) / task.name
+    check_run(task_dir, run)
+    task_dir.mkdir(parents=True, exist_ok=True)
+    (task_dir / "run.json").write_text(json.dumps({**run, "data_source": data.source}, indent=2) + "\n")
+    min_new = settings.min_new_tokens if settings.min_new_tokens is not None else max(m.warmup for _, m in methods)
+
+    device = next(model.parameters()).device
+    eos_ids = stop_token_ids(model, tokenizer)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
+    prompts = encode_prompts(tokenizer, samples, settings.chat)
+    batches = [list(range(i, min(i + settings.batch_size, len(samples)))) for i in range(0, len(samples), settings.batch_size)]
+    wanted = {s.id for s in samples}
+    context = {"model": settings.model, "data_source": data.source, "chat": settings.chat, "max_new_tokens": settings.max_new_tokens,
+               "batch_size": settings.batch_size, "limit": len(samples), "scorer": task.info(), "device": str(device)}
+
+    full_tokens: dict[str, list[int]] = {}
+    summaries = []
+    for spec, method in methods:
+        path = task_dir / f"{method_slug(method)}.jsonl"
+        rows = {r["id"]: r for r in read_rows(path) if r["id"] in wanted}
+        if on_progress:
+            on_progress(spec, len(rows), len(samples))
+        for batch in batches:
+            todo = [i for i in batch if samples[i].id not in rows]
+            if not todo:
+                continue
+            ids, mask = left_pad([prompts[i] for i in batch], pad_id, device)
+            start = time.perf_counter()
+            output = generate_batch(model, ids, mask, method, settings.max_new_tokens, eos_ids, pad_id, settings.path)
+            seconds = (time.perf_counter() - start) / len(batch)
+            new_rows = []
+            for j, i in enumerate(batch):
+                sample = samples[i]
+                if sample.id in rows:
+                    continue
+                tokens = output.tokens[j]
+                text = tokenizer.decode(tokens, skip_special_tokens=True)
+                row = {
+                    "id": sample.id,
+                    "prompt_tokens": len(prompts[i]),
+                    "num_generated": len(tokens),
+                    "hit_eos": output.hit_eos[j],
+                    "realized_sparsity": output.sparsity[j],
+                    "realized_sparsity_post_warmup": output.sparsity_post_warmup[j],
+                    "scores": task.score(sample, task.cut_at_stop(text)),
+                    "agreement": None if method.name == "full" else agreement(full_tokens[sample.id], tokens),
+                    "fast": output.fast,
+                    "seconds": round(seconds, 4),
+                    "text": text,
+                    "tokens": tokens,
+                }
+                rows[sample.id] = row
+                new_rows.append(row)
+            append_rows(path, new_rows)
+            if on_progress:
+                on_progress(spec, len(rows), len(samples))
+        ordered = [rows[s.id] for s in samples]
+        if method.name == "full":
+            full_tokens = {r["id"]: r["tokens"] for r in ordered}
+        summary = summarize(task, spec, method, ordered, min_new, context)
+        (task_dir / f"{method_slug(method)}.summary.json").write_text(json.dumps(summary, indent=2, allow_nan=True) + "\n")
+        summaries.append(summary)
+    combined = {**context, "task": task.name, "min_new_tokens": min_new, "methods": summaries}
+    (task_dir / "summary.json").write_text(json.dumps(combined, indent=2, allow_nan=True) + "\n")
+    return summaries
+
+
+def short_metric(name: str) -> str:
+    """Column titles that fit a terminal: prompt_level_strict_acc -> prompt strict."""
+    return name.replace("_level_", " ").replace("_acc", "").replace("exact_match", "em").replace("_", " ")
+
+
+def summary_table_rows(summaries: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Flat rows for a table: the task's metrics (all samples), sparsity, agreement, drops."""
+    rows = []
+    for s in summaries:
+        row: dict[str, Any] = {"method": s["method"]}
+        row.update({short_metric(k): v for k, v in s["all"]["metrics"].items()})
+        row["sparsity"] = s["all"]["realized_sparsity"]
+        row["sparsity (post-w)"] = s["all"]["realized_sparsity_post_warmup"]
+        agree = s["all"]["agreement"]
+        row["LCP"] = agree["lcp_tokens"] if agree else float("nan")
+        row["ROUGE-L"] = agree["rouge_l"] if agree else float("nan")
+        row["tokens"] = s["all"]["mean_new_tokens"]
+        row[f"n >= {s['valid']['min_new_tokens']} tok"] = f"{s['valid']['n']}/{s['all']['n']}"
+        rows.append(row)
+    return rows
+
