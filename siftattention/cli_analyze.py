@@ -1,7 +1,7 @@
 """``sift analyze``: the paper's power-law analysis of attention quantiles (Section 3, Appendix A).
 
 Registered in the ``sift`` group with ``cli.add_command(analyze)``; also runnable alone as
-``python -m siftattention.cli_analyze``.
+``python -m siftattention.cli_analyze`` (the same one-line errors as ``sift``).
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from .hf import UnsupportedModelError
     from .models import ModelNotFoundError
 
-    # ValueError covers AnalysisError, SpecError and token_windows' errors;
-    # FileNotFoundError covers DataNotFoundError.
+    # ValueError covers AnalysisError, SpecError, OutputDirError, DataFormatError and
+    # token_windows' errors; FileNotFoundError covers DataNotFoundError.
     return (ValueError, FileNotFoundError, ModelNotFoundError, UnsupportedModelError)
 
 
@@ -66,7 +66,8 @@ def analyze(model: str, dataset: str, data_file: str | None, seq_len: int, num_s
             out: Path | None, figures: bool) -> None:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-    from .eval.analysis import check_lengths, load_analysis_corpus, parse_taus, parse_warmups, run_analysis
+    from .eval.analysis import FEW_STEPS, check_lengths, load_analysis_corpus, parse_taus, parse_warmups, run_analysis
+    from .report import check_out_dir, remove_stale
 
     if out is None:
         out = Path("runs") / "analysis" / f"{Path(model).name}-{dataset}"
@@ -79,6 +80,12 @@ def analyze(model: str, dataset: str, data_file: str | None, seq_len: int, num_s
         parse_taus(taus)
         parse_warmups(warmups, seq_len)
         corpus = load_analysis_corpus(dataset, data_file)
+        check_out_dir(out)
+        if seq_len < FEW_STEPS:
+            err_console.print(
+                f"sift: warning: --seq-len {seq_len}: R^2 over fewer than {FEW_STEPS} steps says little about a power law",
+                highlight=False, markup=False, soft_wrap=True,
+            )
         columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn()]
         with Progress(*columns, console=err_console, transient=False) as progress:
             load_task = progress.add_task(f"loading {model}", total=None)
@@ -105,10 +112,13 @@ def analyze(model: str, dataset: str, data_file: str | None, seq_len: int, num_s
         raise AnalyzeError(str(err).splitlines()[0] if str(err) else type(err).__name__) from None
     result.command = command
     summary = result.save(out)
-    if figures:
-        from .eval.analysis_report import write_figures, write_report
+    from .eval.analysis_report import output_files, write_figures, write_report
 
-        write_report(result, out, write_figures(result, out))
+    written: list[Path] = []
+    if figures:
+        drawn = write_figures(result, out)
+        written = [*drawn.values(), write_report(result, out, drawn)]
+    remove_stale(out, output_files(out), keep=written)  # an earlier run's figures must not sit beside these results
     result.timing["with_outputs_s"] = round(time.perf_counter() - start, 1)
     summary = result.save(out)  # again, with the final timing
     _print_summary(summary, out, figures)
@@ -137,10 +147,6 @@ def _print_summary(summary: dict, out: Path, figures: bool) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        analyze.main(prog_name="sift analyze", standalone_mode=False)
-    except click.ClickException as err:
-        err.show()
-        sys.exit(err.exit_code)
-    except click.exceptions.Abort:
-        sys.exit(130)
+    from .cli import main
+
+    main(["analyze", *sys.argv[1:]])

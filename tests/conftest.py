@@ -42,11 +42,9 @@ def embedded():
 
 @pytest.fixture(scope="session")
 def wikitext_ids(embedded):
-    """A 256-token window of real text (WikiText-2 when present, else offline Wikipedia)."""
-    from siftattention.data import DataNotFoundError, load_corpus, token_windows
+    """The first 256-token window of the WikiText-2 test split shipped in the package."""
+    from siftattention.data import load_corpus, token_windows
 
-    try:
-        corpus = load_corpus("wikitext2")
-    except DataNotFoundError:
-        corpus = load_corpus("wiki")
+    corpus = load_corpus("wikitext2")
+    assert corpus.source == "siftattention:resources/wikitext2/wiki.test.raw"
     return token_windows(corpus.text, embedded[1], 256, 1)

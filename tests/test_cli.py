@@ -16,30 +16,6 @@ def run_cli(args, capsys):
     return info.value.code, captured.out, captured.err
 
 
-@pytest.mark.parametrize(
-    "args, message",
-    [
-        (["ppl", "--method", "sift:tau=1.5"], "tau must be in (0, 1)"),
-        (["ppl", "--method", "sift:warmup=1"], "warmup must be an integer >= 2"),
-        (["ppl", "--method", "topk:k=0"], "k must be in (0, 1]"),
-        (["ppl", "--method", "h2o:k=2"], "k must be in (0, 1]"),
-        (["ppl", "--method", "oracle:tau=0"], "tau must be in (0, 1)"),
-        (["ppl", "--method", "magic"], "unknown method 'magic'"),
-        (["ppl", "--method", "full", "--dataset", "nope"], "unknown dataset 'nope'"),
-        (["ppl", "--method", "full", "--data-file", "/nonexistent/corpus.txt"], "data file not found: /nonexistent/corpus.txt"),
-        (["generate", "--method", "sift:tau=x"], "tau='x' is not a number"),
-        # `sift analyze` through the same entry point (its own checks run before any model load).
-        (["analyze", "--taus", "0.5,1.5"], "tau must be in (0, 1), got 1.5"),
-        (["analyze", "--seq-len", "256", "--warmups", "64,512"], "warmup 512 is longer than the sequence length 256"),
-    ],
-)
-def test_bad_input_is_one_line_on_stderr_with_nonzero_exit(args, message, capsys):
-    code, out, err = run_cli(args, capsys)
-    assert code == 2
-    assert message in err
-    assert err.strip().count("\n") == 0 and "Traceback" not in err
-
-
 def test_ppl_help_documents_the_spec_grammar(capsys):
     main(["ppl", "--help"])  # standalone_mode=False: help returns instead of exiting
     out = capsys.readouterr().out
@@ -70,20 +46,37 @@ def test_console_entry_point_exits_cleanly_on_bad_spec():
     assert proc.stderr.strip() == "sift: error: sift: tau must be in (0, 1), got 7.0"
 
 
-def test_ppl_end_to_end_on_the_embedded_model(tmp_path, capsys, embedded):
-    from siftattention.data import find_shared_file, load_corpus, token_windows
+def _plotted_lines(monkeypatch) -> dict:
+    """Capture what each saved figure plots: {label: (x, y)} of its lines."""
+    from matplotlib.figure import Figure
+
+    lines: dict = {}
+    original = Figure.savefig
+
+    def savefig(fig, *args, **kwargs):
+        for ax in fig.axes:
+            for line in ax.get_lines():
+                lines[line.get_label()] = (list(line.get_xdata()), list(line.get_ydata()))
+        return original(fig, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", savefig)
+    return lines
+
+
+def test_ppl_end_to_end_on_the_embedded_model(tmp_path, capsys, embedded, monkeypatch):
+    from siftattention.data import load_corpus, token_windows
 
     out = tmp_path / "run"
     specs = ["full", "topk:k=0.5", "sift:tau=0.5,warmup=32", "sift:tau=0.75,warmup=32"]
-    # WikiText-2 where ../shared/data is beside the checkout, else the offline Wikipedia text.
-    dataset = "wikitext2" if find_shared_file("wikitext-2-raw/wiki.test.raw") else "wiki"
-    args = ["ppl", "--dataset", dataset, "--seq-len", "96", "--num-seqs", "2", "--out", str(out)]
+    args = ["ppl", "--dataset", "wikitext2", "--seq-len", "96", "--num-seqs", "2", "--out", str(out)]
     for spec in specs:
         args += ["--method", spec]
+    plotted = _plotted_lines(monkeypatch)
     main(args)
     printed = capsys.readouterr().out
     result = json.loads((out / "results.json").read_text())
     assert set(result) >= {"model", "dataset", "data_source", "seq_len", "num_seqs", "versions", "results"}
+    assert result["data_source"] == "siftattention:resources/wikitext2/wiki.test.raw"
     assert result["data_source"] in printed.replace("\n", "")
     rows = {r["method"]: r for r in result["results"]}
     assert list(rows) == specs
@@ -105,4 +98,68 @@ def test_ppl_end_to_end_on_the_embedded_model(tmp_path, capsys, embedded):
     # Post-warmup covers the tokens predicted at S > 32 for every method.
     assert all(r["tokens_post_warmup"] == 2 * (95 - 32) for r in rows.values())
     assert rows["sift:tau=0.75,warmup=32"]["realized_sparsity_post_warmup"] > rows["sift:tau=0.5,warmup=32"]["realized_sparsity_post_warmup"]
-    assert (out / "ppl_vs_sparsity.png").stat().st_size > 10_000
+    # The figure: Full as a horizontal line, the swept Sift family as a line through its two
+    # points in order of sparsity, and a real PNG of the intended size.
+    sift = sorted((rows[s] for s in specs[2:]), key=lambda r: r["realized_sparsity"])
+    assert plotted["full"][1] == [rows["full"]["ppl"]] * 2
+    assert plotted["sift w=32"] == ([r["realized_sparsity"] for r in sift], [r["ppl"] for r in sift])
+    assert plotted["topk"] == ([rows["topk:k=0.5"]["realized_sparsity"]], [rows["topk:k=0.5"]["ppl"]])
+    import matplotlib.image
+
+    image = matplotlib.image.imread(out / "ppl_vs_sparsity.png")
+    assert image.shape[:2] == (528, 768) and image.std() > 0.05
+
+
+def test_a_later_run_into_the_same_out_removes_the_stale_figure(tmp_path, capsys, embedded):
+    from siftattention.cli import run_ppl
+
+    out = tmp_path / "run"
+    run_ppl("smollm2-135m", "wikitext2", None, 24, 1, ("full", "topk:k=0.5", "topk:k=0.25"), out, loaded=embedded)
+    assert (out / "ppl_vs_sparsity.png").is_file()
+    (out / "notes.txt").write_text("the user's own file\n")
+    run_ppl("smollm2-135m", "wikitext2", None, 24, 1, ("full", "topk:k=0.5"), out, loaded=embedded)  # nothing swept
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt", "results.json"]
+    assert [r["method"] for r in json.loads((out / "results.json").read_text())["results"]] == ["full", "topk:k=0.5"]
+
+
+def test_complete_text_leaves_out_a_character_cut_by_the_token_limit(embedded):
+    from siftattention.cli import complete_text
+
+    _, tokenizer = embedded
+    text = "Party time \U0001F389\U0001F600 yes"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    whole = [tokenizer.decode(ids[:n]) for n in range(len(ids) + 1)]
+    cut = [n for n, t in enumerate(whole) if t.endswith("\ufffd")]
+    assert cut, "the emoji must span several byte-level tokens for this test to mean anything"
+    for n in range(len(ids) + 1):
+        shown = complete_text(tokenizer, ids[:n])
+        assert "\ufffd" not in shown and text.startswith(shown)
+        # Only the cut character is left out: the text is the longest complete prefix decoded so far.
+        assert shown == max((t for t in whole[: n + 1] if not t.endswith("\ufffd")), key=len)
+    assert complete_text(tokenizer, ids) == text
+    inside = tokenizer("a \ufffd inside", add_special_tokens=False)["input_ids"]
+    assert complete_text(tokenizer, inside) == "a \ufffd inside"  # one the text really has, before its end
+
+
+def test_generate_says_n_a_when_no_step_came_after_the_warmup(embedded, capsys):
+    from siftattention.cli import _print_generations, generate_text
+
+    model, tokenizer = embedded
+    text, sparsity, post = generate_text(model, tokenizer, "Hello", "sift:warmup=1000", 4)
+    assert post is None and sparsity == 0.0 and text
+    _, _, post = generate_text(model, tokenizer, "Hello", "sift:tau=0.875,warmup=2", 6)
+    assert post is not None and 0.0 < post < 1.0
+    _print_generations(model, tokenizer, "Hello", ("sift:warmup=1000",), 4)
+    assert "post-warmup n/a" in " ".join(capsys.readouterr().out.split())
+
+
+def test_models_say_whether_each_is_installed(capsys):
+    from siftattention.models import EMBEDDED
+
+    main(["models"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == len(EMBEDDED)
+    for line, (name, entry) in zip(lines, EMBEDDED.items()):
+        assert line.startswith(name)
+        status = line.rsplit("; ", 1)[1]
+        assert status == ("installed" if entry.installed() else f"not installed: {entry.install}")

@@ -8,6 +8,14 @@ from siftattention import H2O, Full, Oracle, Sift, TopK, apply
 from siftattention.hf import UnsupportedModelError
 
 
+class _KeepAllSift(Sift):
+    """Sift whose fitted threshold is forced to ~0, so it keeps every key."""
+
+    def _fit(self, state, which):
+        super()._fit(state, which)
+        state.alpha[which] = 0.0
+
+
 def _logits(model, ids, **kwargs):
     with torch.no_grad():
         return model(ids, **kwargs).logits
@@ -32,21 +40,20 @@ def test_full_matches_transformers_eager_attention(factory):
     assert (out - ref).abs().max().item() <= 1e-4
 
 
-def test_full_matches_eager_on_the_embedded_model(embedded, wikitext_ids):
+def test_method_path_matches_eager_on_the_embedded_model(embedded, wikitext_ids):
+    """The library's own attention (scores, mask, selection, softmax, values) against transformers'
+    eager attention on real text, through methods that keep every key. Full runs through
+    transformers' SDPA; its distance to eager is the float32 noise floor the method path must meet."""
     model, _ = embedded
     ids = wikitext_ids[:, :200]
     ref = _eager_logits(model, ids)
     with apply(model, Full()):
-        out = _logits(model, ids)
-    assert (out - ref).abs().max().item() <= 1e-4
-
-
-class _KeepAllSift(Sift):
-    """Sift whose fitted threshold is forced to ~0, so it keeps every key."""
-
-    def _fit(self, state, which):
-        super()._fit(state, which)
-        state.alpha[which] = 0.0
+        noise = (_logits(model, ids) - ref).abs().max().item()
+    for method in (TopK(k=1.0, renormalize=True), _KeepAllSift(tau=0.875, warmup=16)):
+        with apply(model, method) as handle:
+            out = _logits(model, ids)
+        assert handle.stats.step_count() == 200 and handle.stats.realized_sparsity() == 0.0
+        assert (out - ref).abs().max().item() <= max(2e-4, 4 * noise), method
 
 
 @pytest.mark.parametrize(
@@ -65,17 +72,73 @@ def test_methods_that_keep_everything_reproduce_full(method):
         assert handle.stats.step_count(post_warmup=True) == 2 * (40 - 4)  # the approximation did run
 
 
+def _eager_layer0_probs(model, ids) -> torch.Tensor:
+    """Layer 0's attention probabilities [H, T, T] from transformers' eager attention.
+
+    Layer 0 sees only the token embeddings, so its probabilities are the same under any
+    method applied to the model (later layers see the method's outputs).
+    """
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    try:
+        with torch.no_grad():
+            return model(ids, output_attentions=True).attentions[0][0].double()
+    finally:
+        model.set_attn_implementation(previous)
+
+
+def _sift_layer0_reference(probs: torch.Tensor, tau: float, warmup: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(alpha [H], beta [H], post-warmup realized sparsity [H]) of Sift on layer 0, from first principles.
+
+    Rows S = 1..w record the tau-quantile (torch.quantile, linear interpolation) over the S
+    valid keys; numpy's polyfit of log theta on log S gives the power law; rows S > w keep
+    the keys with p > alpha * S^-beta, plus the row's largest.
+    """
+    import numpy as np
+
+    H, T, _ = probs.shape
+    steps = np.arange(1, warmup + 1, dtype=np.float64)
+    alpha, beta, sparsity = [], [], []
+    for h in range(H):
+        thetas = np.array([torch.quantile(probs[h, s - 1, :s], tau).item() for s in range(1, warmup + 1)])
+        slope, intercept = np.polyfit(np.log(steps), np.log(thetas), 1)
+        alpha.append(np.exp(intercept))
+        beta.append(-slope)
+        per_row = []
+        for s in range(warmup + 1, T + 1):
+            row = probs[h, s - 1, :s]
+            eta = alpha[-1] * s ** -beta[-1]
+            kept = int((row > eta).sum()) + int(row.max() <= eta)
+            per_row.append(1 - kept / s)
+        sparsity.append(np.mean(per_row))
+    return torch.tensor(alpha), torch.tensor(beta), torch.tensor(sparsity)
+
+
 def test_approximating_methods_change_logits_and_restore_the_model():
     model = tiny_llama(seed=2)
-    ids = torch.randint(3, 97, (1, 60))
+    T = 60
+    ids = torch.randint(3, 97, (1, T))
     previous = model.config._attn_implementation
     ref = _logits(model, ids)
+    steps = torch.arange(1, T + 1, dtype=torch.float64)
+    budget = torch.ceil(0.25 * steps)  # TopK and H2O keep ceil(k*S) keys at step S
+    # Oracle: the keys strictly above the exact quantile at position tau*(S-1), at least the row max.
+    oracle_kept = (steps - 1 - torch.floor(0.75 * (steps - 1))).clamp(min=1)
+    expected = {"topk": (1 - budget / steps).mean().item(), "h2o": (1 - budget / steps).mean().item(),
+                "oracle": (1 - oracle_kept / steps).mean().item()}
+    probs = _eager_layer0_probs(model, ids)
     for method in (Sift(tau=0.75, warmup=8), TopK(k=0.25), H2O(k=0.25), Oracle(tau=0.75)):
         with apply(model, method) as handle:
             out = _logits(model, ids)
             assert model.config._attn_implementation == handle.name
         assert (out - ref).abs().max().item() > 1e-3
-        assert 0.2 < handle.stats.realized_sparsity() < 0.9
+        if method.name == "sift":
+            alpha, beta, sparsity = _sift_layer0_reference(probs, 0.75, 8)
+            torch.testing.assert_close(handle.stats.alpha[0, 0].double(), alpha, rtol=1e-4, atol=1e-7)
+            torch.testing.assert_close(handle.stats.beta[0, 0].double(), beta, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(handle.stats.per_head(post_warmup=True)[0, 0].double(), sparsity, rtol=0, atol=2e-3)
+        else:
+            assert handle.stats.realized_sparsity() == pytest.approx(expected[method.name], abs=1e-9)
         assert model.config._attn_implementation == previous
         assert "generate" not in model.__dict__
     torch.testing.assert_close(_logits(model, ids), ref)

@@ -1,5 +1,3 @@
-import math
-
 import pytest
 import torch
 
@@ -141,8 +139,14 @@ def test_h2o_keeps_its_budget_and_evicts_permanently():
 def test_full_and_keep_all_methods_are_exact_on_random_rows():
     q, k, v, valid = _random_rows(seed=5)
     ref, _ = _reference_output(q, k, v, torch.ones(1, dtype=torch.bool), False)
+    from siftattention.attention import LayerRecord
+
+    steps = torch.arange(1, q.shape[2] + 1, dtype=torch.int32)
     for method in (Full(), TopK(k=1.0), H2O(k=1.0)):
         state = method.new_state(2, 4, q.device)
-        out = method_attention(method, state, q, k, v, valid, scaling=0.25)
+        rec = LayerRecord()
+        out = method_attention(method, state, q, k, v, valid, scaling=0.25, record=rec)
         torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-6)
-    assert math.isclose(TopK(k=1.0).k, 1.0)
+        # Every head of every row keeps all S valid keys: realized sparsity exactly 0.
+        assert torch.equal(torch.cat(rec.kept, dim=2), steps.expand(2, 4, -1)), method
+        assert torch.equal(torch.cat(rec.steps, dim=1), steps.expand(2, -1)), method

@@ -88,9 +88,18 @@ def parse_warmups(text: str | Sequence[int], seq_len: int) -> list[tuple[str, in
     return out
 
 
+#: Shortest window analysed: a power law through two points fits them exactly (R^2 = 1 by construction).
+MIN_SEQ_LEN = 3
+#: Below this many steps R^2 says little about a power law; the CLI warns.
+FEW_STEPS = 16
+
+
 def check_lengths(seq_len: int, num_seqs: int) -> None:
-    if seq_len < 2:
-        raise AnalysisError(f"--seq-len must be at least 2, got {seq_len}")
+    if seq_len < MIN_SEQ_LEN:
+        raise AnalysisError(
+            f"--seq-len must be at least {MIN_SEQ_LEN}, got {seq_len}: a power law through {max(seq_len, 0)} "
+            "point(s) fits exactly, so its R^2 would be 1 by construction"
+        )
     if num_seqs < 1:
         raise AnalysisError(f"--num-seqs must be at least 1, got {num_seqs}")
 
@@ -422,13 +431,13 @@ class AnalysisResult:
 
     def save(self, out_dir) -> dict[str, Any]:
         """Write ``summary.json`` and ``series.npz`` into ``out_dir``; returns the summary."""
-        import json
         from pathlib import Path
 
+        from ..report import replace_atomically, write_json
+
         out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
         summary = self.summary()
-        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        write_json(out / "summary.json", summary)
         arrays = dict(
             thetas=self.thetas,
             steps=self.steps,
@@ -447,7 +456,11 @@ class AnalysisResult:
         )
         if self.window_r2 is not None:
             arrays["window_r2"] = self.window_r2
-        np.savez(out / "series.npz", **arrays)
+        def savez(tmp: Path) -> None:
+            with tmp.open("wb") as f:  # a file object: np.savez would append ".npz" to a temporary name
+                np.savez(f, **arrays)
+
+        replace_atomically(out / "series.npz", savez)
         return summary
 
 

@@ -231,6 +231,17 @@ def plot_r2_by_layer_type(result: AnalysisResult, path: Path) -> Path | None:
     return path
 
 
+#: Every file this module may write; ``warmup_r2_box_<layer type>.png`` come on top.
+OUTPUT_NAMES = ("series_samples.png", "r2_box.png", "warmup_r2_box.png", "beta_heatmap.png", "r2_box_by_layer_type.png", "report.md")
+
+
+def output_files(out_dir: Path) -> list[str]:
+    """Names of the figure and report files of an analysis present in ``out_dir`` (from any run)."""
+    out_dir = Path(out_dir)
+    per_type = sorted(p.name for p in out_dir.glob("warmup_r2_box_*.png"))
+    return [name for name in OUTPUT_NAMES if (out_dir / name).is_file()] + per_type
+
+
 def write_figures(result: AnalysisResult, out_dir: Path) -> dict[str, Path]:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -49,7 +49,8 @@ def evaluate_perplexity(
 
     ppl = exp(mean NLL over all predicted tokens of all windows); ``ppl_post_warmup`` uses
     the tokens predicted by steps S > W, with W the largest warmup among the methods,
-    so every method's post-warmup figures cover the same tokens. Returns (results, W).
+    so every method's post-warmup figures cover the same tokens; they are NaN when the
+    windows have no step after W. Returns (results, W).
     """
     warm = post_warmup_from([m for _, m in methods])
     results = []
@@ -75,7 +76,7 @@ def evaluate_perplexity(
                 ppl=math.exp(nll_sum / n_tok),
                 ppl_post_warmup=math.exp(nll_post / n_post) if n_post else float("nan"),
                 realized_sparsity=sparsity_sum / n,
-                realized_sparsity_post_warmup=sparsity_post_sum / n,
+                realized_sparsity_post_warmup=sparsity_post_sum / n if n_post else float("nan"),
                 tokens=n_tok,
                 tokens_post_warmup=n_post,
             )
