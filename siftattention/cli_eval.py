@@ -73,7 +73,7 @@ def progress_bar():
 
 def run_eval(task_name: str, model_name: str, specs: Sequence[str], *, out: Path, limit: int | None, max_new_tokens: int | None,
              batch_size: int, data_path: Path | None, task_options: dict[str, Any], chat: bool, min_new_tokens: int | None,
-             device: str, dtype: str, path: str, loaded=None) -> list[dict]:
+             device: str, dtype: str, path: str, score: bool = True, loaded=None) -> list[dict]:
     """Check everything cheap, load the model, evaluate with a progress bar, print the table."""
     from .eval.generation_eval import EvalSettings, check_run, check_settings, evaluate_generation, run_key, with_full
     from .eval.tasks import get_task
@@ -81,7 +81,7 @@ def run_eval(task_name: str, model_name: str, specs: Sequence[str], *, out: Path
     methods = with_full(specs)  # a bad spec fails before anything else
     task = get_task(task_name, **task_options)
     settings = EvalSettings(model=model_name, max_new_tokens=max_new_tokens or task.default_max_new_tokens, batch_size=batch_size,
-                            limit=limit, chat=chat, min_new_tokens=min_new_tokens, path=path)
+                            limit=limit, chat=chat, min_new_tokens=min_new_tokens, path=path, score=score)
     check_settings(settings)
     data = task.load(data_path)
     check_run(out / task.name, run_key(task, data, settings))
@@ -142,9 +142,11 @@ def _wrap_user_errors(fn, *args, **kwargs):
 @click.option("--dtype", default="float32", show_default=True, help="float32, bfloat16, float16")
 @click.option("--path", "gen_path", type=click.Choice(["auto", "fast", "reference"]), default="auto", show_default=True,
               help="decode path: the fast loop (siftattention.generation) or transformers' generate")
+@click.option("--score/--no-score", default=True, show_default=True,
+              help="--no-score decodes only (a machine without lm-eval); a later run with scoring fills the scores in")
 def eval_command(task_name: str, model_name: str, specs: tuple[str, ...], limit: int | None, max_new_tokens: int | None, batch_size: int,
                  out: Path, data_file: Path | None, data_dir: Path | None, task_options: tuple[str, ...], chat: bool,
-                 min_new_tokens: int | None, device: str, dtype: str, gen_path: str) -> None:
+                 min_new_tokens: int | None, device: str, dtype: str, gen_path: str, score: bool) -> None:
     from .eval.tasks import parse_options
 
     def run() -> None:
@@ -154,7 +156,7 @@ def eval_command(task_name: str, model_name: str, specs: tuple[str, ...], limit:
             raise ValueError(f"--limit must be >= 1, got {limit}")
         run_eval(task_name, model_name, specs, out=out, limit=limit, max_new_tokens=max_new_tokens, batch_size=batch_size,
                  data_path=data_file or data_dir, task_options=parse_options(task_options), chat=chat, min_new_tokens=min_new_tokens,
-                 device=device, dtype=dtype, path=gen_path)
+                 device=device, dtype=dtype, path=gen_path, score=score)
 
     _wrap_user_errors(run)
 

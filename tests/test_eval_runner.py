@@ -302,3 +302,16 @@ def test_bad_input_is_one_line_and_leaves_earlier_results_untouched(tmp_path, ca
                                   str(tmp_path / "other"), "--method", "full", "--limit", "1", "--max-new-tokens", "2", "--no-chat"], capsys)
     assert code == 0, err
     assert (tmp_path / "other" / "ifeval" / "full.jsonl").is_file()
+
+
+def test_decoding_without_scores_then_scoring_later_equals_one_scored_run(tmp_path, monkeypatch):
+    model, tok = tiny_llama(seed=15), tiny_chat_tokenizer()
+    data = get_task("ifeval").load(ifeval_file(tmp_path / "p.jsonl", n=3))
+    scored = _run(model, tok, tmp_path / "scored", data, EvalSettings(model="tiny", max_new_tokens=6, batch_size=2, path="reference"))
+    unscored = _run(model, tok, tmp_path / "later", data, EvalSettings(model="tiny", max_new_tokens=6, batch_size=2, path="reference", score=False))
+    assert all(s["all"]["metrics"] == {} for s in unscored)
+    assert all(json.loads(line)["scores"] is None for line in (tmp_path / "later" / "ifeval" / "full.jsonl").read_text().splitlines())
+    monkeypatch.setattr(ge, "generate_batch", lambda *a, **k: pytest.fail("nothing should be decoded again"))
+    later = _run(model, tok, tmp_path / "later", data, EvalSettings(model="tiny", max_new_tokens=6, batch_size=2, path="reference"))
+    assert _comparable(later) == _comparable(scored)
+    assert _rows(tmp_path / "later") == _rows(tmp_path / "scored")

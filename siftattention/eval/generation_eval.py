@@ -24,6 +24,7 @@ Full always runs first (added when not asked for): agreement needs its tokens.
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 from dataclasses import dataclass
@@ -221,13 +222,27 @@ def run_key(task: Task, data: TaskData, settings: "EvalSettings") -> dict[str, A
     """What the results in a task directory depend on (``run.json``)."""
     return {
         "task": task.name,
-        "task_options": task.settings,
+        "task_options": {k: v for k, v in task.settings.items() if not k.endswith("_file")},  # files: data_sha256 covers them
         "model": settings.model,
         "chat": settings.chat,
         "max_new_tokens": settings.max_new_tokens,
         "batch_size": settings.batch_size,
         "data_sha256": data.sha256,
     }
+
+
+def rescore(task: Task, samples: dict[str, Sample], path: Path, rows: dict[str, dict[str, Any]]) -> None:
+    """Score the finished samples that were decoded with scoring off, and rewrite their file."""
+    for row in rows.values():
+        if row["scores"] is None:
+            row["scores"] = task.score(samples[row["id"]], task.cut_at_stop(row["text"]))
+    everything = read_rows(path)  # rows outside this run's limit stay as they are
+    for row in everything:
+        if row["id"] in rows:
+            row["scores"] = rows[row["id"]]["scores"]
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in everything), encoding="utf-8")
+    os.replace(tmp, path)
 
 
 def check_run(task_dir: Path, run: dict[str, Any]) -> None:
@@ -251,7 +266,7 @@ def summarize_rows(task: Task, rows: Sequence[dict[str, Any]]) -> dict[str, Any]
     agree = [r["agreement"] for r in rows if r.get("agreement") is not None]
     return {
         "n": len(rows),
-        "metrics": task.aggregate([r["scores"] for r in rows]) if rows else {},
+        "metrics": task.aggregate([r["scores"] for r in rows]) if rows and all(r["scores"] is not None for r in rows) else {},
         "realized_sparsity": mean([r["realized_sparsity"] for r in rows]),
         "realized_sparsity_post_warmup": mean([r["realized_sparsity_post_warmup"] for r in rows]),
         "mean_new_tokens": mean([r["num_generated"] for r in rows]),
@@ -292,6 +307,9 @@ class EvalSettings:
     chat: bool = True
     min_new_tokens: int | None = None  # default: the largest warmup among the methods
     path: str = "auto"
+    #: score responses now; False leaves ``scores`` null (a machine without the checkers), and a
+    #: later run with scoring on fills them in without decoding again
+    score: bool = True
 
 
 def with_full(specs: Sequence[str]) -> list[tuple[str, Method]]:
@@ -362,6 +380,8 @@ def evaluate_generation(
     for spec, method in methods:
         path = task_dir / f"{method_slug(method)}.jsonl"
         rows = {r["id"]: r for r in read_rows(path) if r["id"] in wanted}
+        if settings.score and any(r["scores"] is None for r in rows.values()):
+            rescore(task, {s.id: s for s in samples}, path, rows)
         if on_progress:
             on_progress(spec, len(rows), len(samples))
         for batch in batches:
@@ -386,7 +406,7 @@ def evaluate_generation(
                     "hit_eos": output.hit_eos[j],
                     "realized_sparsity": output.sparsity[j],
                     "realized_sparsity_post_warmup": output.sparsity_post_warmup[j],
-                    "scores": task.score(sample, task.cut_at_stop(text)),
+                    "scores": task.score(sample, task.cut_at_stop(text)) if settings.score else None,
                     "agreement": None if method.name == "full" else agreement(full_tokens[sample.id], tokens),
                     "fast": output.fast,
                     "seconds": round(seconds, 4),

@@ -47,7 +47,7 @@ try:
 except ImportError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
-TOP_KEYS = {"model", "out", "batch_size", "device", "dtype", "chat", "path", "methods", "grid", "task"}
+TOP_KEYS = {"model", "out", "batch_size", "device", "dtype", "chat", "path", "score", "methods", "grid", "task"}
 TASK_KEYS = {"name", "limit", "max_new_tokens", "batch_size", "options", "data_file", "data_dir"}
 
 
@@ -72,6 +72,7 @@ class Sweep:
     dtype: str = "float32"
     chat: bool = True
     path: str = "auto"
+    score: bool = True  # false: decode only (no checkers on that machine); a later run scores and plots
 
     @property
     def min_new_tokens(self) -> int:
@@ -134,7 +135,7 @@ def load_sweep(path: Path) -> Sweep:
         raise ValueError(f"{path}: no [[task]] tables")
     return Sweep(model=config.get("model", "smollm2-135m"), out=Path(config.get("out", "runs/sweep")), specs=specs, tasks=tasks,
                  batch_size=int(config.get("batch_size", 8)), device=config.get("device", "auto"), dtype=config.get("dtype", "float32"),
-                 chat=bool(config.get("chat", True)), path=config.get("path", "auto"))
+                 chat=bool(config.get("chat", True)), path=config.get("path", "auto"), score=bool(config.get("score", True)))
 
 
 def run_sweep(sweep: Sweep, *, plots_only: bool = False, loaded=None) -> dict[str, Any]:
@@ -159,7 +160,11 @@ def run_sweep(sweep: Sweep, *, plots_only: bool = False, loaded=None) -> dict[st
         for t, task, settings in checked:
             run_eval(task.name, sweep.model, [s for s, _ in methods], out=sweep.out, limit=t.limit, max_new_tokens=settings.max_new_tokens,
                      batch_size=settings.batch_size, data_path=t.data_path, task_options=t.options, chat=sweep.chat,
-                     min_new_tokens=sweep.min_new_tokens, device=sweep.device, dtype=sweep.dtype, path=sweep.path, loaded=loaded)
+                     min_new_tokens=sweep.min_new_tokens, device=sweep.device, dtype=sweep.dtype, path=sweep.path, score=sweep.score,
+                     loaded=loaded)
+        if not sweep.score:
+            console.print("decoded without scoring: run the sweep again where lm-eval is installed to score it and draw the figures")
+            return results
     for t, task, _ in checked:
         summary_path = sweep.out / task.name / "summary.json"
         if not summary_path.is_file():

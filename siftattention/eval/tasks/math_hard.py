@@ -151,4 +151,8 @@ class MathHard(Task):
     def info(self) -> dict[str, Any]:
         from importlib.metadata import version
 
+        try:
+            scorers()
+        except ImportError:
+            return {"checker": "lm-eval not installed: not scored"}
         return {"checker": f"lm_eval {version('lm_eval')} leaderboard/math (math_verify {version('math_verify')}) and minerva_math"}
