@@ -75,11 +75,18 @@ class KernelConfig:
     programs2: int = 8
     min_split2: int = 4096
     fill: int = 2  # fewest programs per SM (overrides the minimum split length)
+    # Programs of each kernel resident on one SM at once (registers / shared memory of the
+    # default fp16 builds): small grids are sized to whole waves of these.
+    resident1: int = 2
+    resident2: int = 4
+    residentd: int = 3
     # Tensor-core dot for QK and PV (heads padded to 16). Triton pipelines the loads
     # that feed a dot through shared memory (cp.async), so this is the default even
     # for MHA; the elementwise path loads to registers without prefetch.
     use_dot: bool = True
     compact: bool = True  # filter pass: gather compacted kept rows (see _filter_kernel)
+    compact_weights: bool = True  # the scan also writes the kept weights compacted (phase B: one indirection)
+    block_nb: int = 0  # V rows per gather iteration with compact_weights (0: block_n2)
     block_a: int = 1024  # fewest keys per iteration of the compaction scan
     scan_elems: int = 2048  # scan tile [G, keys] of at least this many elements (MHA: longer rows)
     dense_pct: int = 85  # stream instead of gather when more than this % of rows is kept
@@ -87,6 +94,11 @@ class KernelConfig:
     quantile_block: int = 4096
     quantile_warps: int = 8
     quantile_stages: int = 2
+    # Row-parallel quantile (5 chunked passes + a finalize launch) instead of one program per row.
+    quantile_parallel: bool = True
+    programsq: int = 4
+    min_splitq: int = 4096
+    residentq: int = 4
     # Programmatic dependent launch (Hopper+): the filter kernel starts during the scores
     # kernel's tail and each of its programs waits for its own row only.
     pdl: bool = True
@@ -103,7 +115,7 @@ class KernelConfig:
     block_nd: int = 64
     warpsd: int = 4
     stagesd: int = 3
-    programsd: int = 4
+    programsd: int = 6
     min_splitd: int = 512
 
 
@@ -147,18 +159,26 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _splits(s_max: int, rows: int, block_n: int, programs_per_sm: int, sms: int, min_len: int, fill: int) -> int:
+def _splits(s_max: int, rows: int, block_n: int, programs_per_sm: int, sms: int, min_len: int, fill: int,
+            resident: int) -> int:
     """Number of splits per row for a cache of ``s_max`` keys.
 
     Aim for ``programs_per_sm`` programs per SM with splits of at least ``min_len``
     keys, but never fewer than ``fill`` programs per SM while the sequence allows
     (few rows, i.e. small batch or few KV heads, need short splits to fill the chip).
+    Grids of a few waves (``resident`` programs fit on an SM at once) are then sized to
+    a whole number of waves: 1.3 waves of short programs cost about as much as 2.
     The kernels divide each row's valid range into this many splits at run time.
     """
     n_blocks = _cdiv(s_max, block_n)
     want = min(_cdiv(programs_per_sm * sms, rows), _cdiv(s_max, min_len))
     want = max(1, want, _cdiv(fill * sms, rows))
-    return min(want, n_blocks)
+    n = min(want, n_blocks)
+    slots = resident * sms
+    if rows * n <= 4 * slots:
+        waves = max(1, round(rows * n / slots))
+        n = max(1, min(n_blocks, (waves * slots) // rows))
+    return n
 
 
 @functools.lru_cache(maxsize=256)
@@ -168,17 +188,20 @@ def _plan(
     """Launch geometry for one problem shape, computed once (host time matters at decode)."""
     G = Hq // Hkv
     rows = B * Hkv
-    ns1 = _splits(S, rows, cfg.block_n1, cfg.programs1, sms, cfg.min_split1, cfg.fill)
-    ns2 = _splits(S, rows, cfg.block_n2, cfg.programs2, sms, cfg.min_split2, cfg.fill)
-    nsd = _splits(S, rows, cfg.block_nd, cfg.programsd, sms, cfg.min_splitd, cfg.fill)
+    ns1 = _splits(S, rows, cfg.block_n1, cfg.programs1, sms, cfg.min_split1, cfg.fill, cfg.resident1)
+    ns2 = _splits(S, rows, cfg.block_n2, cfg.programs2, sms, cfg.min_split2, cfg.fill, cfg.resident2)
+    nsd = _splits(S, rows, cfg.block_nd, cfg.programsd, sms, cfg.min_splitd, cfg.fill, cfg.residentd)
+    nq = _splits(S, B * Hq, 256, cfg.programsq, sms, cfg.min_splitq, cfg.fill, cfg.residentq)
     return dict(
-        B=B, Hq=Hq, Hkv=Hkv, S=S, D=D, G=G, use_dot=cfg.use_dot,
+        B=B, Hq=Hq, Hkv=Hkv, S=S, D=D, G=G, dtype=dtype, use_dot=cfg.use_dot,
+        BLOCK_NB=cfg.block_nb or cfg.block_n2,
         BLOCK_G=max(16, _pow2(G)) if cfg.use_dot else _pow2(G),
         BLOCK_GA=_pow2(G),
         BLOCK_A=max(cfg.block_a, cfg.scan_elems // _pow2(G)),
         BLOCK_D=max(16, _pow2(D)),
         prec="ieee" if dtype == torch.float32 else "tf32",
         upcast=dtype == torch.bfloat16 and interp,
+        nq=nq, BLOCK_Q=min(cfg.quantile_block, max(256, _pow2(_cdiv(S, nq)))),
         ns1=ns1, BLOCK_S1=_pow2(ns1), ns2=ns2, BLOCK_S2=_pow2(ns2), nsd=nsd, BLOCK_SD=_pow2(nsd),
         # Splits per load in the combine steps: a [CH, G, D] float32 tile of about 4096 elements.
         CH2=max(1, min(_pow2(ns2), 4096 // (_pow2(G) * max(16, _pow2(D))))),
@@ -368,12 +391,12 @@ def _accumulate(acc, mass, s, idx, jm, thr, amax, m, g_mask, v_ptrs, vmask, DOT_
 
 @triton.jit
 def _filter_kernel(
-    V, Scores, Mst, Lst, Ast, Eta, SeqLens, Starts, Idx, Part, Cnt, Mass, Sem, Arrive, Out, Kept,
+    V, Scores, Mst, Lst, Ast, Eta, SeqLens, Starts, Idx, Wc, Part, Cnt, Mass, Sem, Arrive, Out, Kept,
     stride_vb, stride_vh, stride_vs, stride_vd, stride_ob, stride_oh, stride_od,
     S_MAX, NUM_SPLITS1, NUM_SPLITS2,
     HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_GA: tl.constexpr,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_A: tl.constexpr,
-    BLOCK_S1: tl.constexpr, CH: tl.constexpr,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_NB: tl.constexpr,
+    BLOCK_S1: tl.constexpr, CH: tl.constexpr, COMPACT_W: tl.constexpr,
     HAS_SEQ_LENS: tl.constexpr, HAS_STARTS: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_PREC: tl.constexpr, DOT_UPCAST: tl.constexpr,
     KEEP_ALL: tl.constexpr, COMPACT: tl.constexpr, DENSE_PCT: tl.constexpr,
@@ -412,6 +435,7 @@ def _filter_kernel(
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
+    offs_nb = tl.arange(0, BLOCK_NB)
     g_mask = offs_g < G
     d_mask = offs_d < D
     row = b.to(tl.int64) * HQ + hkv * G + offs_g
@@ -441,6 +465,10 @@ def _filter_kernel(
             offs_a = tl.arange(0, BLOCK_A)
             cnt_a = tl.zeros([BLOCK_GA], tl.int32)
             n_kept = start * 0
+            if COMPACT_W:
+                m_a = _narrow(m, offs_g, offs_ga)
+                mass_a = tl.zeros([BLOCK_GA], tl.float32)
+                wa_base = Wc + row_a[:, None] * S_MAX + start
             # Not software-pipelined: prefetching the score tiles made GQA ~5% slower.
             for n0 in tl.range(start, end, BLOCK_A, num_stages=1):
                 offs = n0 + offs_a
@@ -451,21 +479,41 @@ def _filter_kernel(
                 rk = tl.max(keep.to(tl.int32), axis=0)
                 pos = tl.cumsum(rk, axis=0) - rk
                 tl.store(idx_ptr + n_kept + pos, offs, mask=rk > 0)
+                if COMPACT_W:
+                    # The kept weights of every head of the group, compacted like the positions:
+                    # phase B then reads them directly (one indirection, the V rows, per tile).
+                    w_a = tl.where(keep, tl.math.exp2(s - m_a[:, None]), 0.0)
+                    mass_a += tl.sum(w_a, axis=1)
+                    tl.store(wa_base + (n_kept + pos)[None, :], w_a.to(Wc.dtype.element_ty),
+                             mask=ga_mask[:, None] & (rk > 0)[None, :])
                 n_kept += tl.sum(rk, axis=0)
-            tl.debug_barrier()  # Idx written by this program's threads, read back below
+            tl.debug_barrier()  # Idx (and Wc) written by this program's threads, read back below
             dense = n_kept * 100 > (end - start) * DENSE_PCT
             if not dense:
                 # Phase B: gather the kept rows, all useful, BLOCK_N per iteration.
-                for j in range(0, n_kept, BLOCK_N):
-                    jj = j + offs_n
-                    jm = jj < n_kept
-                    idx = tl.load(idx_ptr + jj, mask=jm, other=0)
-                    s = tl.load(s_base + idx[None, :], mask=g_mask[:, None] & jm[None, :], other=float("-inf"))
-                    v_ptrs = v_base + idx[:, None].to(tl.int64) * stride_vs + offs_d[None, :] * stride_vd
-                    acc, mass, _ = _accumulate(
-                        acc, mass, s, idx, jm, thr, amax, m, g_mask, v_ptrs, jm[:, None] & d_mask[None, :],
-                        DOT_PREC, DOT_UPCAST, USE_DOT, EVICT,
-                    )
+                if COMPACT_W:
+                    w_base = Wc + row[:, None] * S_MAX + start
+                    for j in range(0, n_kept, BLOCK_NB):
+                        jj = j + offs_nb
+                        jm = jj < n_kept
+                        idx = tl.load(idx_ptr + jj, mask=jm, other=0)
+                        w = tl.load(w_base + jj[None, :], mask=g_mask[:, None] & jm[None, :], other=0.0)
+                        v = tl.load(v_base + idx[:, None].to(tl.int64) * stride_vs + offs_d[None, :] * stride_vd,
+                                    mask=jm[:, None] & d_mask[None, :], other=0.0,
+                                    eviction_policy="evict_first" if EVICT else "")
+                        acc += _dot(w, v, DOT_PREC, DOT_UPCAST)
+                    mass = _narrow(mass_a, offs_ga, offs_g)
+                else:
+                    for j in range(0, n_kept, BLOCK_N):
+                        jj = j + offs_n
+                        jm = jj < n_kept
+                        idx = tl.load(idx_ptr + jj, mask=jm, other=0)
+                        s = tl.load(s_base + idx[None, :], mask=g_mask[:, None] & jm[None, :], other=float("-inf"))
+                        v_ptrs = v_base + idx[:, None].to(tl.int64) * stride_vs + offs_d[None, :] * stride_vd
+                        acc, mass, _ = _accumulate(
+                            acc, mass, s, idx, jm, thr, amax, m, g_mask, v_ptrs, jm[:, None] & d_mask[None, :],
+                            DOT_PREC, DOT_UPCAST, USE_DOT, EVICT,
+                        )
                 tl.store(Cnt + row_a * NUM_SPLITS2 + split, cnt_a, mask=ga_mask)
     if dense:
         # Streaming: every tile, V loads masked to the rows some head keeps.
@@ -739,6 +787,108 @@ def _quantile_kernel(
     tl.store(Theta + row, p_lo + frac * (p_hi - p_lo))
 
 
+@triton.jit
+def _qselect(Hist, row, rank, PASSES: tl.constexpr):
+    """Replay the first PASSES digit choices of the radix select from the row's histograms.
+
+    Returns the key prefix found so far, the rank left within it and the keys in the
+    last chosen bucket.
+    """
+    bins = tl.arange(0, 256)
+    prefix = (rank * 0).to(tl.uint32)
+    n_in = rank * 0
+    for p in tl.static_range(PASSES):
+        hist = tl.load(Hist + (row * 4 + p) * 256 + bins, cache_modifier=".cg")
+        csum = tl.cumsum(hist, axis=0)
+        d = tl.sum((csum <= rank).to(tl.int32), axis=0)  # first bucket whose cumsum passes rank
+        rank -= tl.max(tl.where(csum <= rank, csum, 0), axis=0)
+        n_in = tl.sum(tl.where(bins == d, hist, 0), axis=0)
+        prefix = prefix | (d.to(tl.uint32) << (24 - 8 * p))
+    return prefix, rank, n_in
+
+
+@triton.jit
+def _qrank(Tau, SeqLens, Starts, row, b, S_MAX, HAS_SEQ_LENS: tl.constexpr, HAS_STARTS: tl.constexpr):
+    begin, end = _row_range(SeqLens, Starts, b, S_MAX, HAS_SEQ_LENS, HAS_STARTS)
+    n = end - begin
+    tau = tl.load(Tau + row)  # float64, so that tau * (n - 1) matches the reference
+    pos = tau * (n - 1).to(tl.float64)
+    kf = tl.floor(pos)
+    return begin, end, kf.to(tl.int32), (pos - kf).to(tl.float32)
+
+
+@triton.jit
+def _qhist_kernel(
+    Scores, Tau, SeqLens, Starts, Hist, Next, S_MAX, NUM_CHUNKS,
+    HQ: tl.constexpr, BLOCK: tl.constexpr, PASS: tl.constexpr,
+    HAS_SEQ_LENS: tl.constexpr, HAS_STARTS: tl.constexpr, STAGES: tl.constexpr,
+):
+    """One pass of the row-parallel radix select over one chunk of one (batch, query head) row.
+
+    PASS 0..3: histogram of digit PASS (8 bits, MSB first) of the keys that share the
+    digits chosen so far (replayed from the earlier passes' histograms), added to the
+    row's histogram with atomics. PASS 4: the least key above the k-th one (when the
+    (k+1)-th is no tie), an atomic min into ``Next`` (signed image of the key).
+    """
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    b = row // HQ
+    begin, end, rank, _ = _qrank(Tau, SeqLens, Starts, row, b, S_MAX, HAS_SEQ_LENS, HAS_STARTS)
+    prefix, rank, n_in = _qselect(Hist, row, rank, PASS)
+    lo, hi = _split_range(begin, end, chunk, NUM_CHUNKS, BLOCK)
+    s_row = Scores + row * S_MAX
+    offs = tl.arange(0, BLOCK)
+    if PASS < 4:
+        shift = 24 - 8 * PASS
+        hist = tl.zeros([256], tl.int32)
+        for n0 in tl.range(lo, hi, BLOCK, num_stages=STAGES):
+            idx = n0 + offs
+            valid = idx < hi
+            u = _ukey(tl.load(s_row + idx, mask=valid, other=0.0))
+            if PASS > 0:
+                valid = valid & ((u >> (shift + 8)) == (prefix >> (shift + 8)))
+            hist += tl.histogram(((u >> shift) & 0xFF).to(tl.int32), 256, mask=valid)
+        bins = tl.arange(0, 256)
+        tl.atomic_add(Hist + (row * 4 + PASS) * 256 + bins, hist, mask=hist > 0)
+    else:
+        if rank + 1 >= n_in:
+            nxt = tl.full([BLOCK], 0xFFFFFFFF, tl.uint32)
+            for n0 in tl.range(lo, hi, BLOCK, num_stages=STAGES):
+                idx = n0 + offs
+                valid = idx < hi
+                u = _ukey(tl.load(s_row + idx, mask=valid, other=0.0))
+                nxt = tl.minimum(nxt, tl.where(valid & (u > prefix), u, 0xFFFFFFFF))
+            least = (tl.min(nxt, axis=0) ^ 0x80000000).to(tl.int32, bitcast=True)  # order-preserving signed image
+            tl.atomic_min(Next + row, least)
+
+
+@triton.jit
+def _qfinal_kernel(
+    Mst, Lst, Tau, SeqLens, Starts, Hist, Next, Theta, S_MAX, NUM_SPLITS1,
+    HQ: tl.constexpr, BLOCK_S1: tl.constexpr, HAS_SEQ_LENS: tl.constexpr, HAS_STARTS: tl.constexpr,
+):
+    """theta from the two order statistics; resets the row's histograms and Next for the next call."""
+    row = tl.program_id(0).to(tl.int64)
+    b = row // HQ
+    one = tl.full([1], 0, tl.int32) == 0
+    m, l, _, _, _ = _row_ml(Mst, Lst, tl.full([1], 0, tl.int64) + row, one, NUM_SPLITS1, BLOCK_S1)
+    m = tl.sum(m, axis=0)
+    l = tl.sum(l, axis=0)
+    _, _, rank, frac = _qrank(Tau, SeqLens, Starts, row, b, S_MAX, HAS_SEQ_LENS, HAS_STARTS)
+    t, rank, n_in = _qselect(Hist, row, rank, 4)
+    t_hi = t
+    if rank + 1 >= n_in:
+        nx = tl.load(Next + row, cache_modifier=".cg")
+        t_hi = tl.where(nx == _INT_MAX, t, nx.to(tl.uint32, bitcast=True) ^ 0x80000000)  # none when k = n - 1
+    inv_l = 1.0 / l
+    p_lo = tl.math.exp2(_ukey_float(t) - m) * inv_l
+    p_hi = tl.math.exp2(_ukey_float(t_hi) - m) * inv_l
+    tl.store(Theta + row, p_lo + frac * (p_hi - p_lo))
+    offs = tl.arange(0, 1024)
+    tl.store(Hist + row * 1024 + offs, tl.zeros([1024], tl.int32))
+    tl.store(Next + row, _INT_MAX)
+
+
 # --------------------------------------------------------------------------- workspace
 
 
@@ -764,9 +914,15 @@ class Workspace:
             self.lst = torch.empty(B, Hq, geo["ns1"], device=device, dtype=f32)
             self.ast = torch.empty(B, Hq, geo["ns1"], device=device, dtype=i32)
             self.idx = torch.empty(B * Hkv, S, device=device, dtype=i32)
+            self.wc = torch.empty(B * Hq, S, device=device, dtype=geo["dtype"])  # compacted kept weights
             self.part = torch.empty(B, Hq, geo["ns2"], geo["BLOCK_D"], device=device, dtype=f32)
             self.cnt = torch.empty(B, Hq, geo["ns2"], device=device, dtype=i32)
             self.mass = torch.empty(B, Hq, geo["ns2"], device=device, dtype=f32)
+        if not dense_only:
+            # Row-parallel quantile: 4 digit histograms and the next key per (batch, query head);
+            # the finalize kernel resets them for the next call.
+            self.qhist = torch.zeros(B * Hq, 4, 256, device=device, dtype=i32)
+            self.qnext = torch.full((B * Hq,), 2**31 - 1, device=device, dtype=i32)
         self.dpart = torch.empty(B, Hq, geo["nsd"], geo["BLOCK_D"], device=device, dtype=f32)
         self.dm = torch.empty(B, Hq, geo["nsd"], device=device, dtype=f32)
         self.dl = torch.empty(B, Hq, geo["nsd"], device=device, dtype=f32)
@@ -823,12 +979,30 @@ def quantile_pass(geo: dict, ws: Workspace, tau: torch.Tensor, seq_lens, starts,
     has_sl, has_st = seq_lens is not None, starts is not None
     mst, lst, ns, block_s = (ws.dm, ws.dl, geo["nsd"], geo["BLOCK_SD"]) if from_dense else (
         ws.mst, ws.lst, geo["ns1"], geo["BLOCK_S1"])
-    _quantile_kernel[(geo["B"] * geo["Hq"],)](
-        ws.scores, mst, lst, tau, seq_lens if has_sl else theta, starts if has_st else theta, theta,
-        geo["S"], ns,
-        HQ=geo["Hq"], BLOCK=cfg.quantile_block, BLOCK_S1=block_s,
-        HAS_SEQ_LENS=has_sl, HAS_STARTS=has_st, STAGES=cfg.quantile_stages, num_warps=cfg.quantile_warps,
-    )
+    sl_arg, st_arg = seq_lens if has_sl else theta, starts if has_st else theta
+    rows = geo["B"] * geo["Hq"]
+    if not cfg.quantile_parallel:
+        _quantile_kernel[(rows,)](
+            ws.scores, mst, lst, tau, sl_arg, st_arg, theta, geo["S"], ns,
+            HQ=geo["Hq"], BLOCK=cfg.quantile_block, BLOCK_S1=block_s,
+            HAS_SEQ_LENS=has_sl, HAS_STARTS=has_st, STAGES=cfg.quantile_stages, num_warps=cfg.quantile_warps,
+        )
+        return theta
+    try:
+        for p in range(5):
+            _qhist_kernel[(rows, geo["nq"])](
+                ws.scores, tau, sl_arg, st_arg, ws.qhist, ws.qnext, geo["S"], geo["nq"],
+                HQ=geo["Hq"], BLOCK=geo["BLOCK_Q"], PASS=p, HAS_SEQ_LENS=has_sl, HAS_STARTS=has_st,
+                STAGES=cfg.quantile_stages, num_warps=cfg.quantile_warps,
+            )
+        _qfinal_kernel[(rows,)](
+            mst, lst, tau, sl_arg, st_arg, ws.qhist, ws.qnext, theta, geo["S"], ns,
+            HQ=geo["Hq"], BLOCK_S1=block_s, HAS_SEQ_LENS=has_sl, HAS_STARTS=has_st, num_warps=4,
+        )
+    except BaseException:
+        ws.qhist.zero_()
+        ws.qnext.fill_(2**31 - 1)
+        raise
     return theta
 
 
@@ -847,13 +1021,14 @@ def filter_pass(
     _filter_kernel[(geo["ns2"], B * Hkv)](
         v_cache, ws.scores, ws.mst, ws.lst, ws.ast, eta if eta is not None else ws.mst,
         seq_lens if has_sl else ws.ast, starts if has_st else ws.ast,
-        ws.idx, ws.part, ws.cnt, ws.mass, ws.sem, ws.arrive,
+        ws.idx, ws.wc, ws.part, ws.cnt, ws.mass, ws.sem, ws.arrive,
         out, kept if kept is not None else ws.cnt,
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
         out.stride(0), out.stride(1), out.stride(2),
         S, geo["ns1"], geo["ns2"],
         HQ=Hq, HKV=Hkv, G=geo["G"], BLOCK_G=geo["BLOCK_G"], BLOCK_GA=geo["BLOCK_GA"], D=D, BLOCK_D=geo["BLOCK_D"],
-        BLOCK_N=cfg.block_n2, BLOCK_A=geo["BLOCK_A"], BLOCK_S1=geo["BLOCK_S1"], CH=geo["CH2"],
+        BLOCK_N=cfg.block_n2, BLOCK_A=geo["BLOCK_A"], BLOCK_NB=geo["BLOCK_NB"], BLOCK_S1=geo["BLOCK_S1"], CH=geo["CH2"],
+        COMPACT_W=cfg.compact_weights and geo["use_dot"],
         HAS_SEQ_LENS=has_sl, HAS_STARTS=has_st,
         USE_DOT=geo["use_dot"], DOT_PREC=geo["prec"], DOT_UPCAST=geo["upcast"], KEEP_ALL=eta is None,
         COMPACT=compact, DENSE_PCT=cfg.dense_pct,
