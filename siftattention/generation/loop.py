@@ -135,6 +135,22 @@ class _Sampler:
         return torch.multinomial(torch.softmax(logits, dim=-1), 1)[:, 0]
 
 
+def _compiled_forward(model: torch.nn.Module) -> Any:
+    """``model.forward`` through torch.compile, compiled once per model and reused by later calls."""
+    compiled = getattr(model, "_siftattention_compiled_forward", None)
+    if compiled is None:
+        import torch._dynamo
+
+        # The attention is a graph break, so every decoder layer is its own compiled frame,
+        # specialised on its layer index: allow one variant per layer (and phase).
+        layers = model.config.get_text_config(decoder=True).num_hidden_layers
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * layers + 8)
+        torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 16 * layers)
+        compiled = torch.compile(model.forward, dynamic=False)
+        model.__dict__["_siftattention_compiled_forward"] = compiled
+    return compiled
+
+
 def _forward_kwargs(model: torch.nn.Module) -> set[str]:
     return set(inspect.signature(model.forward).parameters)
 
@@ -145,7 +161,7 @@ class _Loop:
     def __init__(self, model, handle: SiftHandle, input_ids, mask, max_new_tokens, sampler, eos, pad_token_id, use_graphs, output_scores=False, compile=False) -> None:
         self.model, self.handle, self.sampler = model, handle, sampler
         # torch.compile fuses the model's small ops around the attention (which stays eager).
-        self.forward = torch.compile(model.forward, dynamic=False) if compile else model.forward
+        self.forward = _compiled_forward(model) if compile else model.forward
         self.B, self.P = input_ids.shape
         self.T = max_new_tokens
         self.device = input_ids.device
@@ -228,16 +244,17 @@ class _Loop:
 
 
 class _PhaseClock:
-    """Seconds and steps spent in each method phase: device events on CUDA (no sync in the loop)."""
+    """Seconds and steps spent in each method phase, from a device event per step on CUDA (no sync in the loop).
+
+    ``steady_ms`` is the median step of a phase without its first two (the eager step
+    that compiles kernels, and the graph capture).
+    """
 
     def __init__(self, cuda: bool) -> None:
         self.cuda = cuda
         self.marks: list[tuple[str | None, Any]] = []
 
     def mark(self, phase: str | None) -> None:
-        if self.marks and self.marks[-1][0] == phase:
-            self.marks.append((phase, None))
-            return
         if self.cuda:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
@@ -246,13 +263,13 @@ class _PhaseClock:
         self.marks.append((phase, event))
 
     def totals(self) -> dict[str, dict[str, float]]:
-        out: dict[str, dict[str, float]] = {}
-        timed = [(i, p, e) for i, (p, e) in enumerate(self.marks) if e is not None]
-        for (i, phase, a), (j, _, b) in zip(timed, timed[1:]):
-            seconds = a.elapsed_time(b) / 1e3 if self.cuda else b - a
-            entry = out.setdefault(str(phase), {"steps": 0, "seconds": 0.0})
-            entry["steps"] += j - i
-            entry["seconds"] += seconds
+        steps: dict[str, list[float]] = {}
+        for (phase, a), (_, b) in zip(self.marks, self.marks[1:]):
+            steps.setdefault(str(phase), []).append(a.elapsed_time(b) / 1e3 if self.cuda else b - a)
+        out = {}
+        for phase, seconds in steps.items():
+            steady = sorted(seconds[2:] or seconds)
+            out[phase] = {"steps": len(seconds), "seconds": sum(seconds), "steady_ms": steady[len(steady) // 2] * 1e3}
         return out
 
 

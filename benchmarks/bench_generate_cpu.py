@@ -1,0 +1,136 @@
+"""Generation speed on the CPU with the embedded model: what Full() through apply costs, and where Sift stands.
+
+    .venv/bin/python benchmarks/bench_generate_cpu.py --out benchmarks/results/generate_cpu.json
+
+SmolLM2-135M-Instruct (embedded), batch 4, greedy, ``--new`` tokens after a prompt of
+real text (WikiText-2 from the package data). Per prompt length:
+
+- ``sdpa``: transformers' ``generate`` with its own SDPA attention (no method applied);
+- ``apply_full``: the same ``generate`` with ``apply(model, Full())``;
+- ``fast_full`` / ``fast_sift``: ``siftattention.generate`` (fixed cache, eager on the CPU)
+  with ``Full()`` and ``Sift(tau, warmup)``, post-warmup steps timed apart;
+- ``attention``: one layer's decode attention alone at that length, dense
+  (``DecodeKernels.dense``) against Sift's sparse step (``DecodeKernels.sparse``), and
+  its share of a dense decode step.
+
+Prefill is timed as ``generate(max_new_tokens=1)``; decode as the rest of a longer call.
+Times are medians of ``--repeats`` runs (the 2-core machine is noisy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from siftattention import Full, Sift, apply
+from siftattention.generation import generate
+
+
+def median_time(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def hf_times(model, ids, new: int, repeats: int) -> dict:
+    kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None, min_new_tokens=0)
+    with torch.inference_mode():
+        prefill = median_time(lambda: model.generate(input_ids=ids, max_new_tokens=1, **kw), repeats)
+        total = median_time(lambda: model.generate(input_ids=ids, max_new_tokens=new, **kw), repeats)
+    return {"prefill_s": prefill, "decode_ms": (total - prefill) / (new - 1) * 1e3}
+
+
+def fast_times(model, ids, method, new: int, repeats: int) -> dict:
+    runs = [generate(model, ids, None, method, max_new_tokens=new, eos_token_id=-1) for _ in range(repeats)]
+    out = {
+        "prefill_s": statistics.median(r.timings["prefill_s"] for r in runs),
+        "decode_ms": statistics.median(r.timings["decode_s"] / r.timings["decode_steps"] for r in runs) * 1e3,
+    }
+    sparse = [r.timings["phases"].get("sparse") for r in runs]
+    if all(sparse):
+        out["sparse_ms"] = statistics.median(p["seconds"] / p["steps"] for p in sparse) * 1e3
+        out["realized_post_warmup"] = runs[-1].stats.realized_sparsity(post_warmup=True)
+    return out
+
+
+def attention_times(model, batch: int, length: int, tau_eta: float, repeats: int) -> dict:
+    """One layer's decode attention at ``length`` keys: dense against the sparse step (random K/V, real shapes)."""
+    from siftattention.kernels import DecodeKernels
+
+    cfg = model.config
+    hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
+    torch.manual_seed(0)
+    q = torch.randn(batch, hq, d)
+    k = torch.randn(batch, hkv, length, d)
+    v = torch.randn(batch, hkv, length, d)
+    lens = torch.full((batch,), length, dtype=torch.int32)
+    plan = DecodeKernels.plan(batch=batch, q_heads=hq, kv_heads=hkv, max_len=length, head_dim=d, dtype=torch.float32,
+                              device=torch.device("cpu"), scale=d**-0.5)
+    eta = torch.full((batch, hq), tau_eta / length)  # about the tau-quantile of flat attention: prunes most keys
+    n = 20
+    dense = median_time(lambda: [plan.dense(q, k, v, lens) for _ in range(n)], repeats) / n
+    sparse = median_time(lambda: [plan.sparse(q, k, v, eta, lens) for _ in range(n)], repeats) / n
+    kept = plan.sparse(q, k, v, eta, lens)[1].float().mean().item() / length
+    return {"dense_ms": dense * 1e3, "sparse_ms": sparse * 1e3, "sparsity": 1 - kept}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--prompts", nargs="+", type=int, default=[512, 2048])
+    ap.add_argument("--attention-lengths", nargs="+", type=int, default=[512, 2048, 8192, 32768])
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--tau", type=float, default=0.875)
+    ap.add_argument("--warmup", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", type=Path, default=Path("bench_generate_cpu.json"))
+    args = ap.parse_args()
+
+    from siftattention.data import load_corpus
+    from siftattention.models import load_model
+
+    torch.manual_seed(0)
+    model, tokenizer = load_model("smollm2-135m")
+    text = load_corpus("wikitext2").text
+    all_ids = tokenizer(text[:400_000], return_tensors="pt", add_special_tokens=False).input_ids[0]
+    report: dict = {"torch": torch.__version__, "threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d"), "args": vars(args) | {"out": str(args.out)}, "rows": []}
+    for prompt in args.prompts:
+        ids = torch.stack([all_ids[i * prompt : (i + 1) * prompt] for i in range(args.batch)])
+        row = {"prompt": prompt, "sdpa": hf_times(model, ids, args.new, args.repeats)}
+        with apply(model, Full()):
+            row["apply_full"] = hf_times(model, ids, args.new, args.repeats)
+        row["fast_full"] = fast_times(model, ids, Full(), args.new, args.repeats)
+        row["fast_sift"] = fast_times(model, ids, Sift(tau=args.tau, warmup=args.warmup), args.new, args.repeats)
+        print(json.dumps(row), flush=True)
+        report["rows"].append(row)
+    report["attention"] = []
+    for length in args.attention_lengths:
+        a = attention_times(model, args.batch, length, 1.0, args.repeats) | {"length": length}
+        print(json.dumps(a), flush=True)
+        report["attention"].append(a)
+    args.out.write_text(json.dumps(report, indent=1))
+
+    layers = model.config.num_hidden_layers
+    print(f"\nCPU, {report['threads']} threads, SmolLM2-135M, batch {args.batch}, {args.new} new tokens (medians of {args.repeats})")
+    print("prompt | sdpa prefill s / decode ms | apply(Full) prefill / decode | ratio prefill / decode | fast Full ms | fast Sift ms (post-warmup) | Sift/Full")
+    for r in report["rows"]:
+        s, a, f, t = r["sdpa"], r["apply_full"], r["fast_full"], r["fast_sift"]
+        print(f"{r['prompt']:6d} | {s['prefill_s']:.3f} / {s['decode_ms']:.1f} | {a['prefill_s']:.3f} / {a['decode_ms']:.1f} | "
+              f"{a['prefill_s'] / s['prefill_s']:.3f} / {a['decode_ms'] / s['decode_ms']:.3f} | {f['decode_ms']:.1f} | "
+              f"{t['decode_ms']:.1f} ({t.get('sparse_ms', float('nan')):.1f}, s={t.get('realized_post_warmup', float('nan')):.3f}) | "
+              f"{t.get('sparse_ms', float('nan')) / f['decode_ms']:.3f}")
+    print("keys | one layer dense ms | sparse ms | sparsity | attention x layers, dense (ms/step)")
+    for a in report["attention"]:
+        print(f"{a['length']:5d} | {a['dense_ms']:.3f} | {a['sparse_ms']:.3f} | {a['sparsity']:.3f} | {a['dense_ms'] * layers:.1f}")
+
+
+if __name__ == "__main__":
+    main()
