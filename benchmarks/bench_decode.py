@@ -368,7 +368,8 @@ def run_tune_grid(args):
     if args.shapes:
         shapes = [tuple(map(int, x.split(","))) for x in args.shapes]
     base = td.config_for(torch.device(DEV))
-    dense_keys = {"block_nd", "warpsd", "stagesd", "programsd", "min_splitd", "warmup_dense", "quantile_block", "quantile_warps", "quantile_stages", "evict", "fill"}
+    dense_keys = {"block_nd", "warpsd", "stagesd", "programsd", "min_splitd", "residentd", "warmup_dense", "quantile_block",
+                  "quantile_warps", "quantile_stages", "quantile_parallel", "programsq", "min_splitq", "residentq", "evict", "fill"}
     for (B, Hq, Hkv, S) in shapes:
         D, dt = 128, torch.float16
         sets = [make_inputs(B, Hq, Hkv, S, D, dt, args.logit_std, (args.group_corr or [0.0])[0], gen) for _ in range(args.sets)]
@@ -414,6 +415,37 @@ def run_tune_grid(args):
     for r in kernel_resources():
         print("resources", json.dumps(r))
     return rows
+
+
+def run_profile(args):
+    """Device time of every kernel of the planned steps (torch.profiler), per shape and step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    gen = torch.Generator(device=DEV).manual_seed(7)
+    res = []
+    shapes = [tuple(map(int, x.split(","))) for x in (args.shapes or ["8,32,32,8192", "8,32,8,32768", "1,32,8,32768"])]
+    for (B, Hq, Hkv, S) in shapes:
+        q, k, v = make_inputs(B, Hq, Hkv, S, 128, torch.float16, args.logit_std, 0.0, gen)
+        (e0, _, _), (e875, _, _) = thresholds(q, k, [0.0, 0.875])
+        kern, sl = planned(q, k), full_lens(B, S)
+        steps = {"sift s=0": lambda: kern.sparse(q, k, v, e0, sl), "sift s=0.875": lambda: kern.sparse(q, k, v, e875, sl),
+                 "dense": lambda: kern.dense(q, k, v, sl), "warmup": lambda: kern.warmup(q, k, v, 0.875, sl),
+                 "sdpa": lambda: sdpa_decode(q, k, v)}
+        for name, fn in steps.items():
+            for _ in range(3):
+                fn()
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(10):
+                    fn()
+                torch.cuda.synchronize()
+            per = {}
+            for ev in prof.events():
+                if ev.device_type == torch.autograd.DeviceType.CUDA:
+                    per[ev.name[:40]] = per.get(ev.name[:40], 0.0) + ev.device_time / 10
+            res.append(dict(shape=[B, Hq, Hkv, S], step=name, kernels_us=per))
+            print(f"profile B={B} H={Hq}/{Hkv} S={S} {name:13s} " + "  ".join(f"{n}: {t:.1f}" for n, t in per.items()), flush=True)
+    return res
 
 
 def host_us(fn, args, n=200):
@@ -746,6 +778,7 @@ def main():
     ap.add_argument("--grid", nargs="*", help="--tune-grid configs as JSON KernelConfig overrides")
     ap.add_argument("--ncu", action="store_true")
     ap.add_argument("--cpu-profile", action="store_true", help="host-side launch overhead per call")
+    ap.add_argument("--profile", action="store_true", help="device time of each kernel (torch.profiler), --shapes B,Hq,Hkv,S")
     ap.add_argument("--ncu-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--render", nargs="+", metavar="JSON", help="print markdown tables from result files")
     args = ap.parse_args()
@@ -781,7 +814,9 @@ def main():
         out["ncu"] = run_ncu(args)
     if args.cpu_profile:
         out["cpu_profile"] = run_cpu_profile(args)
-    if not (args.check or args.tune or args.tune_grid or args.ncu or args.cpu_profile):
+    if args.profile:
+        out["profile"] = run_profile(args)
+    if not (args.check or args.tune or args.tune_grid or args.ncu or args.cpu_profile or args.profile):
         bps = copy_bandwidth()
         meta["copy_tbps"] = bps / 1e12
         print(f"device-to-device copy: {bps / 1e12:.3f} TB/s (read + write)", flush=True)

@@ -86,7 +86,8 @@ class KernelConfig:
     use_dot: bool = True
     compact: bool = True  # filter pass: gather compacted kept rows (see _filter_kernel)
     compact_weights: bool = True  # the scan also writes the kept weights compacted (phase B: one indirection)
-    block_nb: int = 0  # V rows per gather iteration with compact_weights (0: block_n2)
+    block_nb: int = 64  # V rows per gather iteration with compact_weights (0: block_n2)
+    stream_mask_v: bool = False  # streaming mode loads only the kept V rows (else every row of the tile)
     block_a: int = 1024  # fewest keys per iteration of the compaction scan
     scan_elems: int = 2048  # scan tile [G, keys] of at least this many elements (MHA: longer rows)
     dense_pct: int = 85  # stream instead of gather when more than this % of rows is kept
@@ -396,7 +397,7 @@ def _filter_kernel(
     S_MAX, NUM_SPLITS1, NUM_SPLITS2,
     HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_GA: tl.constexpr,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_NB: tl.constexpr,
-    BLOCK_S1: tl.constexpr, CH: tl.constexpr, COMPACT_W: tl.constexpr,
+    BLOCK_S1: tl.constexpr, CH: tl.constexpr, COMPACT_W: tl.constexpr, STREAM_MASK_V: tl.constexpr,
     HAS_SEQ_LENS: tl.constexpr, HAS_STARTS: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_PREC: tl.constexpr, DOT_UPCAST: tl.constexpr,
     KEEP_ALL: tl.constexpr, COMPACT: tl.constexpr, DENSE_PCT: tl.constexpr,
@@ -522,11 +523,17 @@ def _filter_kernel(
             offs = n0 + offs_n
             n_mask = offs < end
             s = tl.load(s_base + offs[None, :], mask=g_mask[:, None] & n_mask[None, :], other=float("-inf"))
-            row_kept = tl.max(((s > thr[:, None]) | (offs[None, :] == amax[:, None])).to(tl.int32), axis=0) > 0
             v_ptrs = v_base + offs[:, None].to(tl.int64) * stride_vs + offs_d[None, :] * stride_vd
+            if STREAM_MASK_V:
+                # Only the rows some head keeps (the V load then waits for the score load).
+                row_kept = tl.max(((s > thr[:, None]) | (offs[None, :] == amax[:, None])).to(tl.int32), axis=0) > 0
+                v_mask = (row_kept & n_mask)[:, None] & d_mask[None, :]
+            else:
+                # Every row of the tile: streaming runs where most rows are kept, and a V load
+                # that does not wait for the scores keeps the loop pipelined.
+                v_mask = n_mask[:, None] & d_mask[None, :]
             acc, mass, c = _accumulate(
-                acc, mass, s, offs, n_mask, thr, amax, m, g_mask, v_ptrs,
-                (row_kept & n_mask)[:, None] & d_mask[None, :], DOT_PREC, DOT_UPCAST, USE_DOT, EVICT,
+                acc, mass, s, offs, n_mask, thr, amax, m, g_mask, v_ptrs, v_mask, DOT_PREC, DOT_UPCAST, USE_DOT, EVICT,
             )
             cnt += c
         tl.store(Cnt + pst, cnt, mask=g_mask)
@@ -1028,7 +1035,7 @@ def filter_pass(
         S, geo["ns1"], geo["ns2"],
         HQ=Hq, HKV=Hkv, G=geo["G"], BLOCK_G=geo["BLOCK_G"], BLOCK_GA=geo["BLOCK_GA"], D=D, BLOCK_D=geo["BLOCK_D"],
         BLOCK_N=cfg.block_n2, BLOCK_A=geo["BLOCK_A"], BLOCK_NB=geo["BLOCK_NB"], BLOCK_S1=geo["BLOCK_S1"], CH=geo["CH2"],
-        COMPACT_W=cfg.compact_weights and geo["use_dot"],
+        COMPACT_W=cfg.compact_weights and geo["use_dot"], STREAM_MASK_V=cfg.stream_mask_v,
         HAS_SEQ_LENS=has_sl, HAS_STARTS=has_st,
         USE_DOT=geo["use_dot"], DOT_PREC=geo["prec"], DOT_UPCAST=geo["upcast"], KEEP_ALL=eta is None,
         COMPACT=compact, DENSE_PCT=cfg.dense_pct,
