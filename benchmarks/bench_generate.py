@@ -186,15 +186,40 @@ def attention_share(model, ids, tau: float, warmup: int) -> dict:
 
             def sparse():
                 for q, k, v, keys, state, phase, kern in calls:
-                    eta = torch.exp(state.alpha.log() - state.beta * keys.steps().float().log()[:, None])
+                    eta = torch.exp(state.log_alpha - state.beta * keys.log_steps()[:, None])
                     kern.sparse(q, k, v, eta, keys.seq_lens, keys.starts)
+
+            from dataclasses import replace
+
+            from siftattention.kernels import DecodeKernels
+            from siftattention.kernels.triton_decode import KernelConfig
+
+            def planned(config=None):
+                q, k = calls[0][0], calls[0][1]
+                return DecodeKernels.plan(batch=q.shape[0], q_heads=q.shape[1], kv_heads=k.shape[1], max_len=k.shape[2], head_dim=q.shape[2],
+                                          dtype=q.dtype, device=q.device, scale=calls[0][6].scale, config=config)
+
+            per_layer = [planned() for _ in calls]
+            no_pdl = planned(replace(KernelConfig(), pdl=False))
+
+            def sparse_per_layer():
+                for (q, k, v, keys, state, phase, kern), plan in zip(calls, per_layer):
+                    eta = torch.exp(state.log_alpha - state.beta * keys.log_steps()[:, None])
+                    plan.sparse(q, k, v, eta, keys.seq_lens, keys.starts)
+
+            def sparse_no_pdl():
+                for q, k, v, keys, state, phase, kern in calls:
+                    eta = torch.exp(state.log_alpha - state.beta * keys.log_steps()[:, None])
+                    no_pdl.sparse(q, k, v, eta, keys.seq_lens, keys.starts)
 
             def whole():
                 for q, k, v, keys, state, phase, kern in calls:
                     original(q, k, v, keys, state, "sparse", kern)
 
             out = {}
-            for name, fn in (("dense", dense), ("sparse_kernels", sparse), ("sift_decode_step", whole)):
+            variants = (("dense", dense), ("sparse_kernels", sparse), ("sparse_per_layer_plans", sparse_per_layer),
+                        ("sparse_no_pdl", sparse_no_pdl), ("sift_decode_step", whole))
+            for name, fn in variants:
                 fn()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):
@@ -269,6 +294,7 @@ def main() -> None:
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--profile", action="store_true", help="print the kernels of one eager decode step of each method")
     ap.add_argument("--attention-share", action="store_true", help="time the attention of one step alone (dense, sparse)")
+    ap.add_argument("--no-generate", action="store_true", help="skip the generation rows (with --attention-share, --profile)")
     ap.add_argument("--compile", action="store_true", help="torch.compile the decode step's model code (both fast paths)")
     ap.add_argument("--out", type=Path, default=Path("bench_generate.json"))
     args = ap.parse_args()
@@ -300,7 +326,7 @@ def main() -> None:
             report["attention_share"][setting] = attention_share(model, ids, args.tau, args.warmup)
             print(f"attention share {setting}: {report['attention_share'][setting]}", flush=True)
     rows = []
-    for setting in args.settings:
+    for setting in [] if args.no_generate else args.settings:
         batch, prompt = (int(x) for x in setting.split("x"))
         row = {"batch": batch, "prompt": prompt, "floor_ms": floor_ms(model, batch, prompt + args.new // 2, report["copy_bw_tb_s"] * 1e12)}
         ids = torch.randint(3, 128000, (batch, prompt), device="cuda")
