@@ -164,3 +164,48 @@ def test_bad_inputs_fail_before_any_work():
     with pytest.raises(TypeError, match="siftattention method"):
         generate(model, ids, mask, "sift", max_new_tokens=3)
     assert model.config._attn_implementation == "sdpa"
+
+
+def _gemma3():
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    cfg = Gemma3TextConfig(
+        vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, sliding_window=6, pad_token_id=0,
+        layer_types=["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"],
+    )
+    return Gemma3ForCausalLM(cfg).eval()
+
+
+def _mistral():
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    cfg = MistralConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, sliding_window=7, pad_token_id=0)
+    return MistralForCausalLM(cfg).eval()
+
+
+def _qwen3():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, pad_token_id=0)
+    return Qwen3ForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("factory", [_gemma3, _mistral, _qwen3], ids=["gemma3-sliding", "mistral-window", "qwen3"])
+def test_fast_path_serves_sliding_windows_and_other_families(factory):
+    """Sliding-window layers (a start offset of the valid range) and qk-norm models, left-padded."""
+    model = _model(factory)
+    ids, mask = _left_padded_batch(seed=4)
+    with torch.no_grad():
+        ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=None)
+    assert torch.equal(generate(model, ids, mask, Full(), max_new_tokens=12, eos_token_id=-1).sequences, ref)
+    method = Sift(tau=0.6, warmup=4)
+    ref_seq, _, ref_stats = _reference(model, ids, mask, method, new=12)
+    res = generate(model, ids, mask, method, max_new_tokens=12, eos_token_id=-1)
+    assert res.fast and torch.equal(res.sequences, ref_seq)
+    assert res.stats.realized_sparsity(post_warmup=True) == pytest.approx(ref_stats.realized_sparsity(post_warmup=True), abs=1e-12)
