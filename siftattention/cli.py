@@ -127,7 +127,7 @@ def complete_text(tokenizer, new_ids) -> str:
 def generate_text(model, tokenizer, prompt: str, spec: str, max_new_tokens: int, chat: bool = True) -> tuple[str, float, float | None]:
     """Greedy generation with a method; returns (text, realized sparsity, post-warmup realized sparsity).
 
-    The post-warmup sparsity is None when no step came after the warmup.
+    The post-warmup sparsity is None when the method has a warmup and no step came after it.
     """
     import torch
 
@@ -137,10 +137,12 @@ def generate_text(model, tokenizer, prompt: str, spec: str, max_new_tokens: int,
         ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True)
     else:
         ids = tokenizer(prompt, return_tensors="pt")
-    with apply(model, parse_method(spec)) as handle, torch.no_grad():
+    method = parse_method(spec)
+    with apply(model, method) as handle, torch.no_grad():
         out = model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id)
         sparsity = handle.stats.realized_sparsity()
-        post = handle.stats.realized_sparsity(post_warmup=True) if handle.stats.step_count(post_warmup=True) else None
+        none_after_warmup = method.warmup > 0 and handle.stats.step_count(post_warmup=True) == 0
+        post = None if none_after_warmup else handle.stats.realized_sparsity(post_warmup=True)
     return complete_text(tokenizer, out[0, ids["input_ids"].shape[1] :]), sparsity, post
 
 
@@ -181,7 +183,7 @@ def _print_generations(model, tokenizer, prompt: str, specs: tuple[str, ...], ma
     for spec in specs:
         with console.status(f"generating with {spec} ..."):
             text, sparsity, post = generate_text(model, tokenizer, prompt, spec, max_new_tokens)
-        post_text = "n/a: no step after the warmup" if post is None else f"{post:.3f}"
+        post_text = "n/a" if post is None else f"{post:.3f}"  # n/a: no step came after the warmup
         subtitle = f"realized sparsity {sparsity:.3f} (post-warmup {post_text})"
         panels.append(Panel(text.strip(), title=spec, subtitle=subtitle, width=60))
     console.print(Panel(prompt, title="prompt"))

@@ -149,8 +149,11 @@ def test_generate_says_n_a_when_no_step_came_after_the_warmup(embedded, capsys):
     assert post is None and sparsity == 0.0 and text
     _, _, post = generate_text(model, tokenizer, "Hello", "sift:tau=0.875,warmup=2", 6)
     assert post is not None and 0.0 < post < 1.0
-    _print_generations(model, tokenizer, "Hello", ("sift:warmup=1000",), 4)
-    assert "post-warmup n/a" in " ".join(capsys.readouterr().out.split())
+    assert generate_text(model, tokenizer, "Hello", "full", 2)[1:] == (0.0, 0.0)  # no warmup: every step counts
+    _print_generations(model, tokenizer, "Hello", ("sift:warmup=1000", "full"), 4)
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "realized sparsity 0.000 (post-warmup n/a)" in printed
+    assert "realized sparsity 0.000 (post-warmup 0.000)" in printed
 
 
 def test_models_say_whether_each_is_installed(capsys):

@@ -111,3 +111,27 @@ def test_readme_command_passes_every_check_before_the_model_load(command, tmp_pa
         main(command[1:])
     assert info.value.args[0] == (command[command.index("--model") + 1] if "--model" in command else "smollm2-135m")
     assert "error" not in capsys.readouterr().err
+
+
+def test_readme_demo_table_full_row_is_what_the_packaged_data_gives(embedded):
+    """The README's demo table (make demo) on this machine: Full's row from the packaged WikiText-2."""
+    import math
+
+    from siftattention import Full, apply
+    from siftattention.cli import DEMO_METHODS
+    from siftattention.data import load_corpus, token_windows
+    from siftattention.eval.perplexity import token_nll
+
+    section = README.read_text().split("### Perplexity on the embedded model (CPU)")[1]
+    command = re.search(r"`(sift ppl [^`]*)`", section).group(1).split()
+    seq_len, num_seqs = int(command[command.index("--seq-len") + 1]), int(command[command.index("--num-seqs") + 1])
+    rows = {m.group(1): m.groups()[1:] for m in re.finditer(r"^\| (\S+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|$", section, re.M)}
+    assert list(rows) == DEMO_METHODS
+    model, tokenizer = embedded
+    windows = token_windows(load_corpus("wikitext2").text, tokenizer, seq_len, num_seqs)
+    with apply(model, Full()):
+        nll = torch.stack([token_nll(model, w) for w in windows]).double()
+    warm = 128  # W: the largest warmup among the demo's methods
+    # Within a unit of the last printed digit: float32 sums differ in the 4th decimal across builds.
+    assert math.exp(nll.mean()) == pytest.approx(float(rows["full"][0]), abs=1e-3)
+    assert math.exp(nll[:, warm:].mean()) == pytest.approx(float(rows["full"][1]), abs=1e-3)
