@@ -19,7 +19,8 @@ sizes. Greedy decoding of ``--new`` tokens after a random prompt. Reported per s
 Random weights give nearly flat attention, unlike a trained model. The query
 projections are scaled by ``--q-scale`` (chosen by ``--calibrate``: the first
 scale on the grid whose Sift(tau=0.875) post-warmup realized sparsity lies in
-0.85-0.90 on a short probe) so that Sift's threshold prunes a realistic share.
+0.85-0.90 at batch 1 and the longest prompt) so that Sift's threshold prunes a
+realistic share.
 
 ``--check`` first compares tokens between paths on a small fp32 model: the dense fast
 path against transformers' generate, and Sift's fast path (Triton kernels, CUDA
@@ -48,7 +49,7 @@ LLAMA_8B = dict(
 )
 
 
-def build(layers: int | None = None, dtype=torch.bfloat16, q_scale: float = 1.0, **overrides):
+def build(layers: int | None = None, dtype=torch.bfloat16, **overrides):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(**{**LLAMA_8B, **({"num_hidden_layers": layers} if layers else {}), **overrides})
@@ -56,9 +57,6 @@ def build(layers: int | None = None, dtype=torch.bfloat16, q_scale: float = 1.0,
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = LlamaForCausalLM(cfg).to(dtype).eval()
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.q_proj.weight.mul_(q_scale)
     return model
 
 
@@ -232,21 +230,32 @@ def attention_share(model, ids, tau: float, warmup: int) -> dict:
     return out
 
 
-def calibrate(grid: list[float], tau: float, warmup: int) -> tuple[float, list]:
-    """First q-scale of the grid whose Sift post-warmup realized sparsity lies in [0.85, 0.90] (4 layers, B=2, prompt 8192)."""
+def set_q_scale(model, scale: float) -> None:
+    """Scale every query projection to ``scale`` times its initial weights (kept aside on first use)."""
+    with torch.no_grad():
+        for layer in model.model.layers:
+            proj = layer.self_attn.q_proj
+            if not hasattr(proj, "_initial_weight"):
+                proj._initial_weight = proj.weight.detach().clone()
+            proj.weight.copy_(proj._initial_weight * scale)
+
+
+def calibrate(model, grid: list[float], tau: float, warmup: int, prompt: int) -> tuple[float, list]:
+    """First q-scale of the grid whose Sift post-warmup realized sparsity lies in [0.85, 0.90] (B=1, the longest prompt)."""
     tried = []
+    ids = torch.randint(3, 128000, (1, prompt), device="cuda")
     for scale in grid:
-        model = build(layers=4, q_scale=scale)
-        ids = torch.randint(3, 128000, (2, 8192), device="cuda")
-        res = generate(model, ids, None, Sift(tau=tau, warmup=warmup), max_new_tokens=warmup + 48, eos_token_id=-1)
+        set_q_scale(model, scale)
+        res = generate(model, ids, None, Sift(tau=tau, warmup=warmup), max_new_tokens=warmup + 48, eos_token_id=-1, prefill_chunk=8192)
         s = res.stats.realized_sparsity(post_warmup=True)
         tried.append({"q_scale": scale, "realized_post_warmup": s})
         print(f"calibrate q_scale={scale}: realized sparsity after warmup {s:.3f}", flush=True)
-        del model, res
+        del res
         free()
         if 0.85 <= s <= 0.90:
             return scale, tried
     best = min(tried, key=lambda r: abs(r["realized_post_warmup"] - 0.875))
+    set_q_scale(model, best["q_scale"])
     return best["q_scale"], tried
 
 
@@ -288,7 +297,7 @@ def main() -> None:
     ap.add_argument("--tau", type=float, default=0.875)
     ap.add_argument("--warmup", type=int, default=16)
     ap.add_argument("--q-scale", type=float, default=None)
-    ap.add_argument("--calibrate", nargs="*", type=float, default=[0.8, 0.65, 0.5, 0.4, 0.3, 0.2])
+    ap.add_argument("--calibrate", nargs="*", type=float, default=[0.45, 0.4, 0.35, 0.3, 0.25, 0.2])
     ap.add_argument("--prefill-chunk", type=int, default=8192)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--check", action="store_true")
@@ -306,11 +315,13 @@ def main() -> None:
     if args.check:
         report["check"] = check()
         print("check:", json.dumps(report["check"]), flush=True)
-    if args.q_scale is None:
-        args.q_scale, report["calibration"] = calibrate(args.calibrate, args.tau, args.warmup)
-    report["q_scale"] = args.q_scale
     report["copy_bw_tb_s"] = copy_bandwidth() / 1e12
-    model = build(q_scale=args.q_scale)
+    model = build()
+    if args.q_scale is None:
+        longest = max(int(x.split("x")[1]) for x in args.settings)
+        args.q_scale, report["calibration"] = calibrate(model, args.calibrate, args.tau, args.warmup, longest)
+    set_q_scale(model, args.q_scale)
+    report["q_scale"] = args.q_scale
     if args.profile:
         batch, prompt = (int(x) for x in args.settings[0].split("x"))
         ids = torch.randint(3, 128000, (batch, prompt), device="cuda")
