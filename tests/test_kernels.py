@@ -419,7 +419,7 @@ def test_functional_api_eta_edges_and_starts():
 # (B, Hq, Hkv, S, D, dtype, config overrides). Small blocks and splits so that odd
 # lengths cross tile, split and compaction boundaries.
 SMALL = dict(block_n1=16, block_n2=16, block_a=32, scan_elems=0, min_split1=16, min_split2=16, quantile_block=32,
-             block_nd=16, min_splitd=16, block_nb=16)
+             block_nd=16, min_splitd=16, block_nb=16, quantile_parallel=True)
 TRITON_CASES = [
     (2, 4, 4, 37, 64, "float32", {"quantile_parallel": False}),  # one quantile program per row
     (2, 4, 4, 45, 64, "float16", {"scan_elems": 64, "reuse_sync": False}),  # MHA scan rows of 64 keys

@@ -62,7 +62,10 @@ _INT_MAX = tl.constexpr(2147483647)
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """Launch parameters (benchmarks/NOTES_kernels.md); ``config_for`` picks per device."""
+    """Launch parameters; the defaults come from the H200 grids in benchmarks/NOTES_kernels.md.
+
+    ``config_for`` applies per-device overrides (``DEVICE_CONFIGS``) on top of them.
+    """
 
     block_n1: int = 128  # keys per iteration in the scores pass
     warps1: int = 4
@@ -95,8 +98,11 @@ class KernelConfig:
     quantile_block: int = 4096
     quantile_warps: int = 8
     quantile_stages: int = 2
-    # Row-parallel quantile (5 chunked passes + a finalize launch) instead of one program per row.
-    quantile_parallel: bool = True
+    # Row-parallel quantile (5 chunked passes + a finalize launch) instead of one program per
+    # row: "auto" uses it when there are at most as many (batch, query head) rows as SMs
+    # (H200, 32 heads: at B = 1 the warmup costs 2.6x SDPA with it and 3.9x without; at
+    # B = 8 one program per row was 5% faster).
+    quantile_parallel: bool | str = "auto"
     programsq: int = 4
     min_splitq: int = 4096
     residentq: int = 4
@@ -120,8 +126,9 @@ class KernelConfig:
     min_splitd: int = 512
 
 
-# Per-device defaults: the first entry whose key is in the device name wins. The H100
-# values are the v10 tuning (BENCHMARKS.md); H200 values from the H200 grid.
+# Per-device overrides of the defaults: the first entry whose key is in the device name
+# wins. Empty: the defaults are the H200 tuning, and the new kernels were not re-tuned on
+# another device.
 DEVICE_CONFIGS: dict[str, dict] = {}
 _DEFAULT = KernelConfig()
 
@@ -202,6 +209,7 @@ def _plan(
         BLOCK_D=max(16, _pow2(D)),
         prec="ieee" if dtype == torch.float32 else "tf32",
         upcast=dtype == torch.bfloat16 and interp,
+        quantile_parallel=(B * Hq <= sms) if cfg.quantile_parallel == "auto" else bool(cfg.quantile_parallel),
         nq=nq, BLOCK_Q=min(cfg.quantile_block, max(256, _pow2(_cdiv(S, nq)))),
         ns1=ns1, BLOCK_S1=_pow2(ns1), ns2=ns2, BLOCK_S2=_pow2(ns2), nsd=nsd, BLOCK_SD=_pow2(nsd),
         # Splits per load in the combine steps: a [CH, G, D] float32 tile of about 4096 elements.
@@ -988,7 +996,7 @@ def quantile_pass(geo: dict, ws: Workspace, tau: torch.Tensor, seq_lens, starts,
         ws.mst, ws.lst, geo["ns1"], geo["BLOCK_S1"])
     sl_arg, st_arg = seq_lens if has_sl else theta, starts if has_st else theta
     rows = geo["B"] * geo["Hq"]
-    if not cfg.quantile_parallel:
+    if not geo["quantile_parallel"]:
         _quantile_kernel[(rows,)](
             ws.scores, mst, lst, tau, sl_arg, st_arg, theta, geo["S"], ns,
             HQ=geo["Hq"], BLOCK=cfg.quantile_block, BLOCK_S1=block_s,
