@@ -64,6 +64,19 @@ def load_for_eval(model_name: str, device: str, dtype: str):
     return model, tokenizer
 
 
+def load_tokenizer(model_name: str):
+    """The tokenizer alone (for scoring and summarising without decoding)."""
+    from transformers import AutoTokenizer
+
+    from .models import EMBEDDED
+
+    with console.status(f"loading the tokenizer of {model_name} ..."):
+        if model_name in EMBEDDED:
+            directory, gguf_file = EMBEDDED[model_name].locate()
+            return AutoTokenizer.from_pretrained(str(directory), gguf_file=gguf_file)
+        return AutoTokenizer.from_pretrained(model_name)
+
+
 def progress_bar():
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
@@ -73,7 +86,7 @@ def progress_bar():
 
 def run_eval(task_name: str, model_name: str, specs: Sequence[str], *, out: Path, limit: int | None, max_new_tokens: int | None,
              batch_size: int, data_path: Path | None, task_options: dict[str, Any], chat: bool, min_new_tokens: int | None,
-             device: str, dtype: str, path: str, score: bool = True, loaded=None) -> list[dict]:
+             device: str, dtype: str, path: str, score: bool = True, decode: bool = True, loaded=None) -> list[dict]:
     """Check everything cheap, load the model, evaluate with a progress bar, print the table."""
     from .eval.generation_eval import EvalSettings, check_run, check_settings, evaluate_generation, run_key, with_full
     from .eval.tasks import get_task
@@ -81,13 +94,16 @@ def run_eval(task_name: str, model_name: str, specs: Sequence[str], *, out: Path
     methods = with_full(specs)  # a bad spec fails before anything else
     task = get_task(task_name, **task_options)
     settings = EvalSettings(model=model_name, max_new_tokens=max_new_tokens or task.default_max_new_tokens, batch_size=batch_size,
-                            limit=limit, chat=chat, min_new_tokens=min_new_tokens, path=path, score=score)
+                            limit=limit, chat=chat, min_new_tokens=min_new_tokens, path=path, score=score, decode=decode)
     check_settings(settings)
     data = task.load(data_path)
     check_run(out / task.name, run_key(task, data, settings))
     n = min(limit or len(data.samples), len(data.samples))
     console.print(f"task: {task.name}, {n} of {len(data.samples)} samples from {data.source}; methods: {', '.join(s for s, _ in methods)}")
-    model, tokenizer = loaded or load_for_eval(model_name, device, dtype)
+    if decode:
+        model, tokenizer = loaded or load_for_eval(model_name, device, dtype)
+    else:  # scoring finished samples needs the tokenizer's prompts only, never the weights
+        model, tokenizer = loaded or (None, load_tokenizer(model_name))
     start = time.perf_counter()
     with progress_bar() as progress:
         bar = progress.add_task(task.name, total=len(methods) * n)
@@ -166,14 +182,18 @@ def eval_command(task_name: str, model_name: str, specs: tuple[str, ...], limit:
 @click.argument("config", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None, help="overrides the config's out")
 @click.option("--plots-only", is_flag=True, help="redraw the figures and tables from the finished cells, decode nothing")
-def sweep_command(config: Path, out: Path | None, plots_only: bool) -> None:
+@click.option("--score-only", is_flag=True, help="score and summarise the finished samples (decoded elsewhere), decode nothing")
+@click.option("--score/--no-score", "score", default=None, help="override the config's score")
+def sweep_command(config: Path, out: Path | None, plots_only: bool, score_only: bool, score: bool | None) -> None:
     from .eval.sweep import load_sweep, run_sweep
 
     def run() -> None:
         sweep = load_sweep(config)
         if out is not None:
             sweep.out = out
-        run_sweep(sweep, plots_only=plots_only)
+        if score is not None:
+            sweep.score = score
+        run_sweep(sweep, plots_only=plots_only, decode=not score_only)
 
     _wrap_user_errors(run)
 

@@ -315,3 +315,17 @@ def test_decoding_without_scores_then_scoring_later_equals_one_scored_run(tmp_pa
     later = _run(model, tok, tmp_path / "later", data, EvalSettings(model="tiny", max_new_tokens=6, batch_size=2, path="reference"))
     assert _comparable(later) == _comparable(scored)
     assert _rows(tmp_path / "later") == _rows(tmp_path / "scored")
+
+
+def test_scoring_without_decoding_skips_unfinished_methods(tmp_path):
+    model, tok = tiny_llama(seed=16), tiny_chat_tokenizer()
+    data = get_task("ifeval").load(ifeval_file(tmp_path / "p.jsonl", n=3))
+    settings = EvalSettings(model="tiny", max_new_tokens=5, batch_size=2, path="reference", score=False)
+    _run(model, tok, tmp_path / "out", data, settings, ["full"])
+    sift_file = tmp_path / "out" / "ifeval" / "sift_tau_0.75_warmup_4_renormalize_False_warmup_source_decode.jsonl"
+    full_rows = (tmp_path / "out" / "ifeval" / "full.jsonl").read_text().splitlines()
+    sift_file.write_text(full_rows[0] + "\n")  # one of three samples finished
+    summaries = _run(None, tok, tmp_path / "out", data, EvalSettings(model="tiny", max_new_tokens=5, batch_size=2, decode=False))
+    assert [s["method"] for s in summaries] == ["full"]  # Sift has 1 of 3 samples, Top-k none: both left out
+    assert summaries[0]["all"]["metrics"]["prompt_level_strict_acc"] >= 0.0
+    assert len(sift_file.read_text().splitlines()) == 1

@@ -310,6 +310,8 @@ class EvalSettings:
     #: score responses now; False leaves ``scores`` null (a machine without the checkers), and a
     #: later run with scoring on fills them in without decoding again
     score: bool = True
+    #: False: decode nothing, only score and summarise what is finished (methods with missing samples are skipped)
+    decode: bool = True
 
 
 def with_full(specs: Sequence[str]) -> list[tuple[str, Method]]:
@@ -366,7 +368,9 @@ def evaluate_generation(
     (task_dir / "run.json").write_text(json.dumps({**run, "data_source": data.source}, indent=2) + "\n")
     min_new = settings.min_new_tokens if settings.min_new_tokens is not None else max(m.warmup for _, m in methods)
 
-    device = next(model.parameters()).device
+    if model is None and settings.decode:
+        raise ValueError("decoding needs the model")
+    device = next(model.parameters()).device if model is not None else torch.device("cpu")
     eos_ids = stop_token_ids(model, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
     prompts = encode_prompts(tokenizer, samples, settings.chat)
@@ -386,7 +390,7 @@ def evaluate_generation(
             on_progress(spec, len(rows), len(samples))
         for batch in batches:
             todo = [i for i in batch if samples[i].id not in rows]
-            if not todo:
+            if not todo or not settings.decode:
                 continue
             ids, mask = left_pad([prompts[i] for i in batch], pad_id, device)
             start = time.perf_counter()
@@ -418,6 +422,8 @@ def evaluate_generation(
             append_rows(path, new_rows)
             if on_progress:
                 on_progress(spec, len(rows), len(samples))
+        if len(rows) < len(samples):  # only without decoding: an unfinished cell is left out
+            continue
         ordered = [rows[s.id] for s in samples]
         if method.name == "full":
             full_tokens = {r["id"]: r["tokens"] for r in ordered}

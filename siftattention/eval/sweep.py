@@ -138,7 +138,7 @@ def load_sweep(path: Path) -> Sweep:
                  chat=bool(config.get("chat", True)), path=config.get("path", "auto"), score=bool(config.get("score", True)))
 
 
-def run_sweep(sweep: Sweep, *, plots_only: bool = False, loaded=None) -> dict[str, Any]:
+def run_sweep(sweep: Sweep, *, plots_only: bool = False, decode: bool = True, loaded=None) -> dict[str, Any]:
     """Evaluate every cell not finished yet, then write sweep.json, sweep.md and the figures."""
     from ..cli_eval import console, load_for_eval, run_eval
     from .generation_eval import EvalSettings, check_run, run_key, with_full
@@ -156,12 +156,13 @@ def run_sweep(sweep: Sweep, *, plots_only: bool = False, loaded=None) -> dict[st
         checked.append((t, task, settings))
     results: dict[str, Any] = {"model": sweep.model, "min_new_tokens": sweep.min_new_tokens, "tasks": {}}
     if not plots_only:
-        loaded = loaded or load_for_eval(sweep.model, sweep.device, sweep.dtype)
+        if decode:
+            loaded = loaded or load_for_eval(sweep.model, sweep.device, sweep.dtype)
         for t, task, settings in checked:
             run_eval(task.name, sweep.model, [s for s, _ in methods], out=sweep.out, limit=t.limit, max_new_tokens=settings.max_new_tokens,
                      batch_size=settings.batch_size, data_path=t.data_path, task_options=t.options, chat=sweep.chat,
                      min_new_tokens=sweep.min_new_tokens, device=sweep.device, dtype=sweep.dtype, path=sweep.path, score=sweep.score,
-                     loaded=loaded)
+                     decode=decode, loaded=loaded)
         if not sweep.score:
             console.print("decoded without scoring: run the sweep again where lm-eval is installed to score it and draw the figures")
             return results
