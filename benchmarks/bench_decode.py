@@ -190,7 +190,7 @@ def copy_bandwidth(nbytes=2 << 30):
     x = torch.empty(nbytes // 2, dtype=torch.float16, device=DEV).normal_()
     y = torch.empty_like(x)
     ms = bench(lambda: y.copy_(x), [()], warmup=25, rep=200)
-    del x, y
+    x = y = None  # noqa: F841 - free the buffers before the sweep
     torch.cuda.empty_cache()
     return 2 * nbytes / (ms * 1e-3)
 
@@ -563,7 +563,7 @@ def run_sweep(args, copy_bps):
                 f"warm={row['warmup_vs_sdpa_graph']:.3f}x err={err:.1e}",
                 flush=True,
             )
-        del sets, kern
+        sets = kern = None  # free the inputs before the next shape
         torch.cuda.empty_cache()
         print(f"  config {i + 1}/{len(configs)} took {time.time() - t0:.1f}s", flush=True)
         if args.out:  # partial results survive a time limit (and are resumed)

@@ -24,12 +24,15 @@ Sparse step (``sparse``):
    program waits only for the splits of its own row (a counter the scores programs
    release), so the V gathers of finished rows overlap the last K reads.
 
-Warmup step (``warmup``): the scores kernel, ``_quantile_kernel`` (exact
-tau-quantile of the probabilities by radix select over the order-preserving 32-bit
-image of the float32 scores), then the filter kernel keeping every key.
-
 Dense step (``dense``): ``_dense_kernel``, flash-decoding: one pass over K and V per
 split with an online softmax, the last split program of each row combines.
+
+Warmup step (``warmup``): the dense kernel also storing the scores, then the exact
+tau-quantile of the probabilities by radix select over the order-preserving 32-bit
+image of the float32 scores: one program per row (``_quantile_kernel``), or, when rows
+are few, five chunked launches per row with atomics (``_qhist_kernel``) and a finalize
+(``_qfinal_kernel``). (``warmup_dense=False``: the scores kernel, the quantile, then
+the filter kernel keeping every key.)
 
 K and V are loaded with an evict-first L2 policy and the scores stored evict-last,
 so the filter pass tends to find them in L2. The counters that order the passes
