@@ -39,11 +39,6 @@ PAPER_PROMPT = (
 
 
 def _parse_methods(specs: tuple[str, ...]) -> list:
-    for spec in specs:
-        keys = [part.partition("=")[0].strip() for part in spec.partition(":")[2].split(",") if part.strip()]
-        repeated = sorted({key for key in keys if keys.count(key) > 1})
-        if repeated:
-            raise SpecError(f"{spec.strip()!r} gives {', '.join(repeated)} more than once")
     return [(spec, parse_method(spec)) for spec in specs]
 
 

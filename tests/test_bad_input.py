@@ -185,6 +185,7 @@ API_ROWS: list[Api] = [
     Api('TopK(k="x")', lambda f: __import__("siftattention").TopK(k="x"), ValueError, "k must be a number in (0, 1], got 'x'"),
     Api("H2O(heavy_ratio=2)", lambda f: __import__("siftattention").H2O(heavy_ratio=2), ValueError, "heavy_ratio must be in [0, 1]"),
     Api('parse_method("magic")', lambda f: __import__("siftattention").parse_method("magic"), "SpecError", "unknown method 'magic'"),
+    Api('parse_method("sift:tau=0.5,tau=0.9")', lambda f: __import__("siftattention").parse_method("sift:tau=0.5,tau=0.9"), "SpecError", "gives tau more than once"),
     Api("apply(torch.nn.Linear(2, 2), Full())",
         lambda f: __import__("siftattention").apply(torch.nn.Linear(2, 2), __import__("siftattention").Full()),
         "UnsupportedModelError", "Linear"),

@@ -292,7 +292,7 @@ def generate(
     prefill_chunk: int | None = None,
     compile: bool = False,
 ) -> GenerationResult:
-    """Generate with ``method`` through the fast decode loop (docs/design.md, "Fast decode path").
+    """Generate with ``method`` through the fast decode loop (docs/fast-decode.md).
 
     The prompt (left-padded batches allowed) is prefilled exactly into a fixed-size
     cache; each new token is one step of the whole model, replayed from a CUDA graph

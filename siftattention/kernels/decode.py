@@ -1,6 +1,6 @@
 """Public decode entry points: validation and backend dispatch (thin wrappers).
 
-Semantics (DESIGN.md, "Semantics"): ``p = softmax(scale * q.k)`` over the valid keys
+Semantics (docs/design.md, "Semantics"): ``p = softmax(scale * q.k)`` over the valid keys
 of each (batch, query head) row (positions ``[starts[b], seq_lens[b])``); keep keys
 with ``p > eta`` (every key where ``eta <= 0``), and always the row's maximum; the
 output is ``sum_kept p_i v_i`` with the full-softmax normaliser, or divided by the kept

@@ -64,6 +64,8 @@ def parse_method(spec: str) -> Method:
             raise SpecError(f"{name}: {part!r} is not key=value")
         if key not in defaults:
             raise SpecError(f"{name}: unknown parameter {key!r}; allowed: {', '.join(defaults) or 'none'}")
+        if key in kwargs:
+            raise SpecError(f"{spec!r} gives {key} more than once")
         kwargs[key] = _convert(name, key, value.strip(), defaults[key])
     try:
         return cls(**kwargs)
