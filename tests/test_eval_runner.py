@@ -329,3 +329,13 @@ def test_scoring_without_decoding_skips_unfinished_methods(tmp_path):
     assert [s["method"] for s in summaries] == ["full"]  # Sift has 1 of 3 samples, Top-k none: both left out
     assert summaries[0]["all"]["metrics"]["prompt_level_strict_acc"] >= 0.0
     assert len(sift_file.read_text().splitlines()) == 1
+
+
+def test_result_lines_survive_unicode_line_separators_and_a_torn_tail(tmp_path):
+    path = tmp_path / "m.jsonl"
+    rows = [{"id": "a", "text": "line\u2028sep \x85 \x1e é 🙂"}, {"id": "b", "text": "plain"}]
+    ge.append_rows(path, rows)
+    with path.open("a", encoding="utf-8") as f:
+        f.write('{"id": "c", "text": "tor')
+    assert ge.read_rows(path) == rows
+    assert path.read_text(encoding="utf-8").count("\n") == 2 and ge.read_rows(path) == rows  # the torn tail was cut, in bytes

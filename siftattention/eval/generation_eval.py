@@ -23,6 +23,7 @@ Full always runs first (added when not asked for): agreement needs its tokens.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import re
@@ -171,13 +172,19 @@ def generate_batch(model, input_ids: torch.Tensor, mask: torch.Tensor, method: M
     new = res.new_tokens.cpu()
     tokens = [new[b, : int(num[b])].tolist() for b in range(new.shape[0])]
     eos = set(eos_ids)
-    return BatchOutput(
+    output = BatchOutput(
         tokens=tokens,
         hit_eos=[bool(t) and t[-1] in eos for t in tokens],
         sparsity=sequence_sparsity(res.stats, method, num, post_warmup=False),
         sparsity_post_warmup=sequence_sparsity(res.stats, method, num, post_warmup=True),
         fast=bool(res.fast),
     )
+    if input_ids.is_cuda:
+        # The loop's cache, graphs and statistics of a large batch are tens of GB: free them before the next method.
+        del res
+        gc.collect()
+        torch.cuda.empty_cache()
+    return output
 
 
 # -- results on disk ----------------------------------------------------------------------------
@@ -199,15 +206,17 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
     if not path.is_file():
         return []
     rows, good = [], 0
-    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    # Split on "\n" only: str.splitlines() also splits at U+2028 and other separators a generated text can hold.
+    lines = path.read_text(encoding="utf-8").split("\n")
+    lines = [line + "\n" for line in lines[:-1]] + ([lines[-1]] if lines[-1] else [])
     for line in lines:
         try:
             rows.append(json.loads(line))
-            good += len(line)
+            good += len(line.encode("utf-8"))
         except json.JSONDecodeError:
             break
     if len(rows) < len(lines):
-        with path.open("r+", encoding="utf-8") as f:
+        with path.open("r+b") as f:
             f.truncate(good)
     return rows
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
+import logging
 import types
 from pathlib import Path
 from typing import Any, Sequence
@@ -71,6 +72,8 @@ def checker() -> tuple[types.ModuleType, str]:
     except ImportError as err:
         raise ImportError(f"IFEval scoring needs lm-eval's ifeval extra: pip install 'siftattention[eval]' ({err})") from None
     langdetect.DetectorFactory.seed = 0
+    # The checker logs a warning for every response whose language cannot be detected (empty ones): not news.
+    logging.getLogger("lm_eval.tasks.ifeval.instructions").setLevel(logging.ERROR)
     punkt = _punkt_available()
     try:
         if punkt:
