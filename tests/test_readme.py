@@ -72,6 +72,9 @@ def test_readme_quick_start_runs(capsys, monkeypatch):
     torch.testing.assert_close(sift_handle.stats.beta[0, 0].double(), beta, rtol=1e-3, atol=1e-4)
     torch.testing.assert_close(sift_handle.stats.per_head(post_warmup=True)[0, 0].double(), sparsity, rtol=0, atol=2e-3)
     assert namespace["logits"].shape[:2] == inputs["input_ids"].shape
+    fast = namespace["res"]  # the fast loop runs the same decode steps: the same tokens and statistics
+    assert fast.fast and torch.equal(fast.sequences, generated)
+    assert fast.stats.realized_sparsity(post_warmup=True) == pytest.approx(printed, abs=1e-12)
     assert model.config._attn_implementation == "sdpa"  # restored after remove()
 
 

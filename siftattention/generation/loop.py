@@ -311,11 +311,13 @@ def generate(
     if not isinstance(method, Method):
         raise TypeError(f"method must be a siftattention method (Full, TopK, H2O, Sift, Oracle), got {type(method).__name__}")
     mask = _check_inputs(input_ids, attention_mask, max_new_tokens)
-    config = getattr(model, "config", None)
+    # The model's generation config first, as transformers' generate reads it.
+    configs = [c for c in (getattr(model, "generation_config", None), getattr(model, "config", None)) if c is not None]
+    if eos_token_id is None:
+        eos_token_id = next((c.eos_token_id for c in configs if getattr(c, "eos_token_id", None) is not None), None)
     if pad_token_id is None:
-        pad_token_id = getattr(config, "pad_token_id", None)
-        pad_token_id = 0 if pad_token_id is None else pad_token_id
-    eos_token_id = getattr(config, "eos_token_id", None) if eos_token_id is None else eos_token_id
+        pad_token_id = next((c.pad_token_id for c in configs if getattr(c, "pad_token_id", None) is not None), None)
+        pad_token_id = (eos_token_id if isinstance(eos_token_id, int) else 0) if pad_token_id is None else pad_token_id
     sampler = _Sampler(do_sample, temperature, top_k)
     problem = fast_path_problem(model, method)
     if problem is not None:
