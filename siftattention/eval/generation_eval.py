@@ -302,6 +302,7 @@ def summarize(task: Task, spec: str, method: Method, rows: Sequence[dict[str, An
         "all": summarize_rows(task, rows),
         "valid": {"min_new_tokens": min_new_tokens, "dropped": len(rows) - len(valid), **summarize_rows(task, valid)},
         "fast_path": any(r.get("fast") for r in rows),
+        "decoded_on": sorted({r.get("device", "not recorded") for r in rows}),
         "generation_s": round(sum(r.get("seconds", 0.0) for r in rows), 2),
     }
 
@@ -380,13 +381,14 @@ def evaluate_generation(
     if model is None and settings.decode:
         raise ValueError("decoding needs the model")
     device = next(model.parameters()).device if model is not None else torch.device("cpu")
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     eos_ids = stop_token_ids(model, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
     prompts = encode_prompts(tokenizer, samples, settings.chat)
     batches = [list(range(i, min(i + settings.batch_size, len(samples)))) for i in range(0, len(samples), settings.batch_size)]
     wanted = {s.id for s in samples}
     context = {"model": settings.model, "data_source": data.source, "chat": settings.chat, "max_new_tokens": settings.max_new_tokens,
-               "batch_size": settings.batch_size, "limit": len(samples), "scorer": task.info(), "device": str(device)}
+               "batch_size": settings.batch_size, "limit": len(samples), "scorer": task.info()}
 
     full_tokens: dict[str, list[int]] = {}
     summaries = []
@@ -422,6 +424,7 @@ def evaluate_generation(
                     "scores": task.score(sample, task.cut_at_stop(text)) if settings.score else None,
                     "agreement": None if method.name == "full" else agreement(full_tokens[sample.id], tokens),
                     "fast": output.fast,
+                    "device": device_name,
                     "seconds": round(seconds, 4),
                     "text": text,
                     "tokens": tokens,

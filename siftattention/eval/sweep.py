@@ -174,6 +174,14 @@ def run_sweep(sweep: Sweep, *, plots_only: bool = False, decode: bool = True, lo
         results["tasks"][task.name] = {"headline": task.headline, "cells": cells}
         figures = plot_task(task.name, task.headline, cells, sweep.out, sweep.model)
         results["tasks"][task.name]["figures"] = [str(p) for p in figures]
+    previous = sweep.out / "sweep.json"
+    if previous.is_file():  # several configs may share one output directory: keep their other tasks
+        try:
+            earlier = json.loads(previous.read_text())
+        except (OSError, json.JSONDecodeError):
+            earlier = {}
+        if earlier.get("model") == sweep.model:
+            results["tasks"] = {**{k: v for k, v in earlier.get("tasks", {}).items() if k not in results["tasks"]}, **results["tasks"]}
     (sweep.out / "sweep.json").write_text(json.dumps(results, indent=2, allow_nan=True) + "\n")
     (sweep.out / "sweep.md").write_text(sweep_markdown(results) + "\n")
     console.print(f"wrote {sweep.out / 'sweep.json'}, {sweep.out / 'sweep.md'} and the figures")
@@ -212,24 +220,46 @@ def _fmt(value: Any, digits: int = 3) -> str:
     return str(value)
 
 
+def _metric(cell: dict[str, Any], key: str) -> float:
+    if key == "rouge_l":  # agreement with Full; Full agrees with itself
+        return 1.0 if cell["method_name"] == "full" else (cell["all"]["agreement"] or {}).get("rouge_l", math.nan)
+    return cell["all"]["metrics"].get(key, math.nan)
+
+
+def topk_at(cells: Sequence[dict[str, Any]], key: str, sparsity: float) -> float:
+    """Top-k's ``key`` (a metric, or "rouge_l") interpolated at a realized sparsity (Full is its point at 0); NaN outside its range."""
+    import numpy as np
+
+    points = sorted((c["all"]["realized_sparsity"], _metric(c, key))
+                    for c in cells if c["method_name"] in ("full", "topk") and c["renormalize"] == (c["method_name"] == "topk"))
+    if len(points) < 2 or math.isnan(sparsity) or not points[0][0] <= sparsity <= points[-1][0]:
+        return math.nan
+    xs, ys = zip(*points)
+    return float(np.interp(sparsity, xs, ys))
+
+
 def sweep_markdown(results: dict[str, Any]) -> str:
     lines = [f"# Sweep on {results['model']}", "",
              f"'valid' = samples that generated at least {results['min_new_tokens']} tokens (the largest warmup); "
-             "sparsity = mean over samples of each sample's realized sparsity over its decode steps.", ""]
+             "sparsity = mean over samples of each sample's realized sparsity over its decode steps (warmup steps count as 0; "
+             "'post-w': after the warmup only); 'top-k at same sparsity' = Top-k's headline metric (and ROUGE-L) "
+             "interpolated linearly between its points (Full at 0) at the method's realized sparsity.", ""]
     for name, entry in results["tasks"].items():
         cells = entry["cells"]
         if not cells:
             continue
         metrics = list(cells[0]["all"]["metrics"])
         head = ["method", *metrics, f"{entry['headline']} (valid)", "valid n (dropped)", "sparsity", "sparsity post-w", "intended",
-                "LCP", "ROUGE-L", "tokens"]
+                "LCP", "ROUGE-L", "tokens", "top-k at same sparsity", "top-k ROUGE-L at same sparsity"]
         lines += [f"## {name}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for c in cells:
             a, v = c["all"], c["valid"]
             agree = a["agreement"] or {}
             row = [c["method"], *(_fmt(a["metrics"].get(m)) for m in metrics), _fmt(v["metrics"].get(entry["headline"])),
                    f"{v['n']} ({v['dropped']})", _fmt(a["realized_sparsity"]), _fmt(a["realized_sparsity_post_warmup"]),
-                   _fmt(c["intended_sparsity"]), _fmt(agree.get("lcp_tokens"), 1), _fmt(agree.get("rouge_l")), _fmt(a["mean_new_tokens"], 1)]
+                   _fmt(c["intended_sparsity"]), _fmt(agree.get("lcp_tokens"), 1), _fmt(agree.get("rouge_l")), _fmt(a["mean_new_tokens"], 1),
+                   *((_fmt(topk_at(cells, entry["headline"], a["realized_sparsity"])), _fmt(topk_at(cells, "rouge_l", a["realized_sparsity"])))
+                     if c["method_name"] not in ("full", "topk") else ("", ""))]
             lines.append("| " + " | ".join(row) + " |")
         lines.append("")
     return "\n".join(lines)
@@ -259,7 +289,7 @@ def plot_task(task: str, headline: str, cells: Sequence[dict[str, Any]], out: Pa
                 if key == headline and full is not None:
                     ax.axhline(full["all"]["metrics"][headline], color="black", linestyle="--", linewidth=1, label="full")
                 continue
-            group = sorted(group, key=lambda c: c["all"]["realized_sparsity"])
+            group = sorted(group, key=lambda c: c["intended_sparsity"])  # along tau / k, as the paper's lines run
             ys = [c["all"]["metrics"][headline] if key == headline else (c["all"]["agreement"] or {}).get("rouge_l", math.nan) for c in group]
             ax.plot([c["all"]["realized_sparsity"] for c in group], ys, marker="o", label=name)
         ax.set_xlabel("realized sparsity (pruned / valid keys, all decode steps)")
