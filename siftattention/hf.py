@@ -23,7 +23,7 @@ time: a second ``apply`` raises ``AlreadyAppliedError``.
 from __future__ import annotations
 
 import functools
-import itertools
+import weakref
 from typing import Any
 
 import torch
@@ -34,7 +34,6 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from .attention import LayerRecord, exact_attention, method_attention, valid_keys
 from .methods.base import KeyRange, Method
 
-_ids = itertools.count()
 _HANDLE_ATTR = "_siftattention_handle"
 
 
@@ -151,7 +150,9 @@ class SiftHandle:
         self.model = model
         self.method = method
         self.decode_backend = decode_backend
-        self.name = f"sift_{next(_ids)}"
+        # One name per model (a handle at a time), so code compiled around the attention
+        # (the fast loop's compile=True) stays valid for the next handle on the model.
+        self.name = f"siftattention_{id(model):x}"
         self.states: dict[int, Any] = {}
         self.records: dict[int, Any] = {}
         self.decoding = False
@@ -181,9 +182,7 @@ class SiftHandle:
             raise AlreadyAppliedError(
                 f"{cls.__name__} already runs {current.method.spec()} ({current.name}); remove that handle before applying another method"
             )
-        # Opaque to torch.compile: the method's Python routing and its kernels stay eager
-        # (the fast loop compiles the rest of the model around them).
-        AttentionInterface.register(self.name, torch.compiler.disable(self._attention))
+        AttentionInterface.register(self.name, _model_attention(self.model))
         AttentionMaskInterface.register(self.name, sdpa_mask if self.method.always_exact else _boolean_mask)
         try:
             self.model.set_attn_implementation(self.name)
@@ -335,6 +334,25 @@ class SiftHandle:
             )
             self._plans[sig] = plan
         return plan
+
+
+def _model_attention(model: PreTrainedModel) -> Any:
+    """The model's attention entry point: calls whichever handle is applied to it now.
+
+    Made once per model and opaque to torch.compile (the method's routing and kernels
+    stay eager; the fast loop compiles the model code around them).
+    """
+    fn = model.__dict__.get("_siftattention_attention")
+    if fn is None or fn.owner() is not model:  # none yet, or copied along with a deep-copied model
+        owner = weakref.ref(model)
+
+        def attention(module: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
+            return owner().__dict__[_HANDLE_ATTR]._attention(module, *args, **kwargs)
+
+        fn = torch.compiler.disable(attention)
+        fn.owner = owner
+        model.__dict__["_siftattention_attention"] = fn
+    return fn
 
 
 def _key_range(mask: torch.Tensor | None, k_len: int, batch: int, device: torch.device) -> KeyRange:
