@@ -97,11 +97,17 @@ class Task:
 
 
 # -- data files ------------------------------------------------------------------------------
+def _check_file(path: Path) -> None:
+    if path.is_dir():
+        raise DataNotFoundError(f"{path} is a directory, not a data file")
+    if not path.is_file():
+        raise DataNotFoundError(f"data file not found: {path}")
+
+
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     """Records of a JSON-lines file; a missing file or a bad line is a one-line error."""
     path = Path(path)
-    if not path.is_file():
-        raise DataNotFoundError(f"data file not found: {path}")
+    _check_file(path)
     records = []
     try:
         with path.open(encoding="utf-8") as f:
@@ -124,8 +130,7 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 def read_json(path: Path) -> Any:
     path = Path(path)
-    if not path.is_file():
-        raise DataNotFoundError(f"data file not found: {path}")
+    _check_file(path)
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
