@@ -29,6 +29,13 @@ class EvalError(click.ClickException):
         err_console.print(f"sift: error: {self.message}", highlight=False, markup=False, soft_wrap=True)
 
 
+def check_out_dir(out: Path) -> Path:
+    """The shared ``--out`` check (created and probe-written before any model load)."""
+    from .report import check_out_dir as check
+
+    return check(out)
+
+
 def _user_errors() -> tuple[type[BaseException], ...]:
     from .hf import UnsupportedModelError
     from .models import ModelNotFoundError
@@ -96,6 +103,7 @@ def run_eval(task_name: str, model_name: str, specs: Sequence[str], *, out: Path
     settings = EvalSettings(model=model_name, max_new_tokens=max_new_tokens or task.default_max_new_tokens, batch_size=batch_size,
                             limit=limit, chat=chat, min_new_tokens=min_new_tokens, path=path, score=score, decode=decode)
     check_settings(settings)
+    check_out_dir(out)
     data = task.load(data_path)
     check_run(out / task.name, run_key(task, data, settings))
     n = min(limit or len(data.samples), len(data.samples))
@@ -193,6 +201,7 @@ def sweep_command(config: Path, out: Path | None, plots_only: bool, score_only: 
             sweep.out = out
         if score is not None:
             sweep.score = score
+        check_out_dir(Path(sweep.out))
         run_sweep(sweep, plots_only=plots_only, decode=not score_only)
 
     _wrap_user_errors(run)
@@ -218,6 +227,7 @@ def lm_eval_command(tasks: str, model_name: str, specs: tuple[str, ...], limit: 
     def run() -> None:
         if limit is not None and limit < 1:
             raise ValueError(f"--limit must be >= 1, got {limit}")
+        check_out_dir(out)
         run_lm_eval(tasks, model_name, specs, limit=limit, batch_size=batch_size, num_fewshot=num_fewshot, include_path=include_path,
                     apply_chat_template=apply_chat_template, out=out, device=device, dtype=dtype, console=console)
 

@@ -155,6 +155,8 @@ CLI_ROWS: list[Cli] = [
     Cli("ppl --method full --out {file}/x", "--out {file}/x cannot be created: {file} is a file"),
     Cli("ppl --method full --out {file}", "is a file"),
     Cli("analyze --out /sys/x", "--out /sys/x cannot be created in /sys"),
+    Cli("eval ifeval --method full --limit 2 --out /sys/x", "--out /sys/x cannot be created in /sys"),
+    Cli("lm-eval --tasks x --out /proc/x", "--out /proc/x cannot be created in /proc"),
     Cli("analyze --out {file}/sub/dir", "cannot be created: {file} is a file"),
     Cli("demo --out /proc/x", "--out /proc/x cannot be created in /proc"),
     # options and commands click checks
