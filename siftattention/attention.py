@@ -110,28 +110,23 @@ def exact_attention(
 
 
 def decode_probs(query: torch.Tensor, k_cache: torch.Tensor, keys: KeyRange, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Float32 softmax [B, Hq, L] of one query token over the valid keys of a cache, and the [B, 1, L] validity.
+    """Float32 softmax [B, Hq, L] of one query token over the valid keys of a cache, and the validity.
 
-    The reference for methods without a kernel of their own: every cache position is
-    scored (fixed shapes, no host synchronisation), invalid ones get probability 0.
+    The reference for methods without a kernel of their own: the torch kernel backend's
+    scoring over every cache position (fixed shapes, no host synchronisation);
+    invalid positions get probability 0.
     """
-    B, Hq, D = query.shape
-    Hkv, L = k_cache.shape[1], k_cache.shape[2]
-    scores = torch.matmul(query.float().reshape(B, Hkv, Hq // Hkv, D), k_cache.float().transpose(-1, -2)).reshape(B, Hq, L) * scaling
-    pos = torch.arange(L, device=query.device)
-    valid = pos[None, :] < keys.seq_lens[:, None]
-    if keys.starts is not None:
-        valid &= pos[None, :] >= keys.starts[:, None]
-    valid = valid[:, None, :]
-    return torch.softmax(scores.masked_fill(~valid, float("-inf")), dim=-1), valid
+    from .kernels.torch_ref import _probs, _scores
+
+    scores, valid = _scores(query, k_cache, scaling, keys.seq_lens, keys.starts)
+    return _probs(scores), valid
 
 
 def weighted_values(weights: torch.Tensor, v_cache: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``sum_i w_i v_i`` per query head: weights [B, Hq, L], cache [B, Hkv, L, D] -> [B, Hq, D]."""
-    B, Hq, L = weights.shape
-    Hkv, D = v_cache.shape[1], v_cache.shape[3]
-    out = torch.matmul(weights.reshape(B, Hkv, Hq // Hkv, L), v_cache.float())
-    return out.reshape(B, Hq, D).to(dtype)
+    from .kernels.torch_ref import _apply_v
+
+    return _apply_v(weights, v_cache).to(dtype)
 
 
 def method_attention(

@@ -24,8 +24,8 @@ import types
 from pathlib import Path
 from typing import Any, Sequence
 
-from ...data import DataNotFoundError, find_data_file, resource_file
-from .base import Sample, Task, TaskData, TaskDataError, hub_records, mean, prompts_digest, read_jsonl, require_fields
+from ...data import find_data_file, resource_file
+from .base import Sample, Task, TaskData, TaskDataError, load_records, mean, prompts_digest, require_fields
 
 FALLBACK_SPLITTER = "instructions_util.split_into_sentences (regex; NLTK punkt_tab not installed)"
 PUNKT_SPLITTER = "nltk punkt_tab"
@@ -103,20 +103,12 @@ class IFEval(Task):
     headline = "prompt_level_strict_acc"
 
     def load(self, data_path: Path | None = None) -> TaskData:
-        if data_path is not None:
-            records, source = read_jsonl(data_path), f"file:{data_path}"
-        else:
-            path = resource_file("ifeval/input_data.jsonl") or find_data_file("ifeval/input_data.jsonl")
-            if path is not None:
-                records, source = read_jsonl(path), f"file:{path}"
-            else:
-                records = hub_records("google/IFEval", "train")
-                if records is None:
-                    raise DataNotFoundError(
-                        "IFEval prompts not found: pass --data-file input_data.jsonl, set SIFT_DATA_DIR, "
-                        "or install `datasets` with a reachable hub (google/IFEval)"
-                    )
-                source = "hub:google/IFEval/train"
+        local = None if data_path is not None else resource_file("ifeval/input_data.jsonl") or find_data_file("ifeval/input_data.jsonl")
+        records, source = load_records(
+            data_path, local, "file", ("google/IFEval", "train"),
+            "IFEval prompts not found: pass --data-file input_data.jsonl, set SIFT_DATA_DIR, "
+            "or install `datasets` with a reachable hub (google/IFEval)",
+        )
         require_fields(records, ("key", "prompt", "instruction_id_list", "kwargs"), source)
         samples = []
         for r in records:

