@@ -226,6 +226,8 @@ def run_check(args):
         (1, 28, 4, 333, 96, torch.float16, True, False),
         (1, 32, 8, 65537, 128, torch.float16, True, False),
         (2, 32, 16, 5000, 128, torch.bfloat16, True, False),
+        (3, 4, 1, 2051, 256, torch.float32, True, False),  # Gemma-3's heads: 256 wide, one KV head
+        (2, 8, 2, 9000, 256, torch.bfloat16, True, True),
     ]
     if DEV != "cuda":  # CPU dry run under the interpreter: the small cases only
         cases = [c for c in cases if c[0] * c[1] * c[3] <= 8000]

@@ -206,6 +206,23 @@ def test_torch_warmup_quantile_exact_scores(tau):
 # ----------------------------------------------------------------------------- validation
 
 
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_planned_tiles_fit_shared_memory(D, dtype):
+    # Wide rows (Gemma-3's D = 256, float32 models) failed to launch on the H200 (282 KB of
+    # shared memory asked, 227 KB there) before the tiles shrank with the row size.
+    from siftattention.kernels.triton_decode import KernelConfig, geometry
+
+    cfg = KernelConfig()
+    geo = geometry(8, 32, 8, 32768, D, dtype, torch.device("cpu"), cfg)
+    row = geo["BLOCK_D"] * dtype.itemsize
+    assert geo["BLOCK_ND"] * row * 2 * cfg.stagesd <= 200 * 1024  # K and V tiles, pipelined
+    assert geo["BLOCK_N1"] * row * cfg.stages1 <= 200 * 1024
+    assert geo["BLOCK_NB"] * row * cfg.stages2 <= 200 * 1024
+    if row <= 256:  # the tuned tiles are kept where they fit
+        assert (geo["BLOCK_N1"], geo["BLOCK_ND"], geo["BLOCK_NB"]) == (cfg.block_n1, cfg.block_nd, cfg.block_nb)
+
+
 def test_validation_errors():
     q = torch.randn(2, 8, 64)
     k = torch.randn(2, 2, 10, 64)
@@ -427,6 +444,7 @@ TRITON_CASES = [
     (2, 8, 1, 41, 64, "bfloat16", {"compact_weights": False}),  # phase B gathers the scores
     (2, 8, 1, 41, 64, "float16", {"compact": False, "stream_mask_v": True}),
     (1, 4, 4, 70, 128, "bfloat16", {"dense_pct": 0, "fused_combine": False}),
+    (1, 4, 1, 29, 256, "float32", {"block_n1": 64, "block_nd": 64, "block_nb": 64}),  # Gemma-3's head: tiles shrink
 ]
 
 
@@ -452,7 +470,7 @@ def _triton_worker() -> dict:
                 res["decode"].append(dict(case=i, mode=mode, renorm=renorm, dtype=dt, err=rel(out, ref),
                                           kept_equal=bool(torch.equal(kept.cpu(), ref_kept)),
                                           out_dtype=str(out.dtype)))
-        if i < 4:  # warmup quantile on the same shapes
+        if i < 4 or D == 256:  # warmup quantile on the same shapes
             for tau in (0.25, 0.9):
                 tau_t = torch.full((B, Hq), tau, dtype=torch.float64)
                 out, theta = sift_warmup_decode_triton(q, k, v, tau_t, scale, sl.int(), cfg)
@@ -522,7 +540,7 @@ def test_triton_reused_counters_return_to_zero(triton_results):
 
 def test_triton_warmup_matches_float64(triton_results):
     rows = triton_results["warmup"]
-    assert len(rows) == 8
+    assert len(rows) == 10
     for r in rows:
         assert r["err"] < (1e-5 if r["dtype"] == "float32" else 1e-2), r
         # float32 scores of fp16/bf16 inputs vs float64 scores: p differs by ~1e-6 relative

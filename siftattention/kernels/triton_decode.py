@@ -199,13 +199,18 @@ def _plan(
     """Launch geometry for one problem shape, computed once (host time matters at decode)."""
     G = Hq // Hkv
     rows = B * Hkv
-    ns1 = _splits(S, rows, cfg.block_n1, cfg.programs1, sms, cfg.min_split1, cfg.fill, cfg.resident1)
-    ns2 = _splits(S, rows, cfg.block_n2, cfg.programs2, sms, cfg.min_split2, cfg.fill, cfg.resident2)
-    nsd = _splits(S, rows, cfg.block_nd, cfg.programsd, sms, cfg.min_splitd, cfg.fill, cfg.residentd)
+    # The tuned tiles hold 256-byte rows (D = 128 in 16 bits); wider rows (D = 256, or float32)
+    # get proportionally fewer keys per tile, so the pipelined K/V tiles fit in shared memory.
+    shrink = max(1, (max(16, _pow2(D)) * dtype.itemsize) // 256)
+    block_n1, block_n2, block_nd = (max(16, n // shrink) for n in (cfg.block_n1, cfg.block_n2, cfg.block_nd))
+    block_nb = max(16, (cfg.block_nb or cfg.block_n2) // shrink)
+    ns1 = _splits(S, rows, block_n1, cfg.programs1, sms, cfg.min_split1, cfg.fill, cfg.resident1)
+    ns2 = _splits(S, rows, block_n2, cfg.programs2, sms, cfg.min_split2, cfg.fill, cfg.resident2)
+    nsd = _splits(S, rows, block_nd, cfg.programsd, sms, cfg.min_splitd, cfg.fill, cfg.residentd)
     nq = _splits(S, B * Hq, 256, cfg.programsq, sms, cfg.min_splitq, cfg.fill, cfg.residentq)
     return dict(
         B=B, Hq=Hq, Hkv=Hkv, S=S, D=D, G=G, dtype=dtype, use_dot=cfg.use_dot,
-        BLOCK_NB=cfg.block_nb or cfg.block_n2,
+        BLOCK_N1=block_n1, BLOCK_N2=block_n2, BLOCK_ND=block_nd, BLOCK_NB=block_nb,
         BLOCK_G=max(16, _pow2(G)) if cfg.use_dot else _pow2(G),
         BLOCK_GA=_pow2(G),
         BLOCK_A=max(cfg.block_a, cfg.scan_elems // _pow2(G)),
@@ -981,7 +986,7 @@ def scores_pass(geo: dict, ws: Workspace, q, k_cache, scale: float, seq_lens, st
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
         scale * LOG2E, S, geo["ns1"],
         HQ=Hq, HKV=Hkv, G=geo["G"], BLOCK_G=geo["BLOCK_G"], D=geo["D"], BLOCK_D=geo["BLOCK_D"],
-        BLOCK_N=cfg.block_n1, HAS_SEQ_LENS=has_sl, HAS_STARTS=has_st,
+        BLOCK_N=geo["BLOCK_N1"], HAS_SEQ_LENS=has_sl, HAS_STARTS=has_st,
         USE_DOT=geo["use_dot"], DOT_PREC=geo["prec"], DOT_UPCAST=geo["upcast"],
         PDL=pdl, EVICT=cfg.evict, num_warps=cfg.warps1, num_stages=cfg.stages1,
     )
@@ -1045,7 +1050,7 @@ def filter_pass(
         out.stride(0), out.stride(1), out.stride(2),
         S, geo["ns1"], geo["ns2"],
         HQ=Hq, HKV=Hkv, G=geo["G"], BLOCK_G=geo["BLOCK_G"], BLOCK_GA=geo["BLOCK_GA"], D=D, BLOCK_D=geo["BLOCK_D"],
-        BLOCK_N=cfg.block_n2, BLOCK_A=geo["BLOCK_A"], BLOCK_NB=geo["BLOCK_NB"], BLOCK_S1=geo["BLOCK_S1"], CH=geo["CH2"],
+        BLOCK_N=geo["BLOCK_N2"], BLOCK_A=geo["BLOCK_A"], BLOCK_NB=geo["BLOCK_NB"], BLOCK_S1=geo["BLOCK_S1"], CH=geo["CH2"],
         COMPACT_W=cfg.compact_weights and geo["use_dot"], STREAM_MASK_V=cfg.stream_mask_v,
         HAS_SEQ_LENS=has_sl, HAS_STARTS=has_st,
         USE_DOT=geo["use_dot"], DOT_PREC=geo["prec"], DOT_UPCAST=geo["upcast"], KEEP_ALL=eta is None,
@@ -1115,7 +1120,7 @@ def dense(geo: dict, ws: Workspace, q, k_cache, v_cache, scale: float, seq_lens,
         out.stride(0), out.stride(1), out.stride(2),
         scale * LOG2E, geo["S"], geo["nsd"],
         HQ=Hq, HKV=Hkv, G=geo["G"], BLOCK_G=max(16, geo["BLOCK_GA"]), BLOCK_GA=geo["BLOCK_GA"], D=D,
-        BLOCK_D=geo["BLOCK_D"], BLOCK_N=cfg.block_nd, CH=geo["CHD"], HAS_SEQ_LENS=has_sl, HAS_STARTS=has_st,
+        BLOCK_D=geo["BLOCK_D"], BLOCK_N=geo["BLOCK_ND"], CH=geo["CHD"], HAS_SEQ_LENS=has_sl, HAS_STARTS=has_st,
         DOT_PREC=geo["prec"], DOT_UPCAST=geo["upcast"], EVICT=cfg.evict, STORE_SCORES=store_scores,
         num_warps=cfg.warpsd, num_stages=cfg.stagesd,
     )
