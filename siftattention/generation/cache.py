@@ -17,14 +17,27 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 
+class WritePosition:
+    """The device position of the next one-token write, shared by a cache and its layers.
+
+    A holder rather than a reference to the cache: layers pointing back at their cache
+    would make a cycle, and the buffers (tens of GB for a large batch) would then wait for
+    the garbage collector instead of being freed when ``generate`` returns.
+    """
+
+    def __init__(self) -> None:
+        #: [1] int64 cache position; None while the prompt is written.
+        self.tensor: torch.Tensor | None = None
+
+
 class FixedLayer(CacheLayerMixin):
     """One layer's preallocated keys and values."""
 
     is_compileable = True
 
-    def __init__(self, cache: "FixedCache", max_len: int, sliding: bool) -> None:
+    def __init__(self, position: WritePosition, max_len: int, sliding: bool) -> None:
         super().__init__()
-        self.cache = cache
+        self.position = position
         self.max_len = max_len
         self.is_sliding = sliding
         self.length = 0  # keys written by the prompt (host-side; decode writes are counted on the device)
@@ -39,7 +52,7 @@ class FixedLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        pos = self.cache.write_pos
+        pos = self.position.tensor
         if pos is not None and key_states.shape[2] == 1:
             self.keys.index_copy_(2, pos, key_states)
             self.values.index_copy_(2, pos, value_states)
@@ -71,7 +84,15 @@ class FixedCache(Cache):
     def __init__(self, config: Any, max_len: int) -> None:
         text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         layer_types = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
-        #: [1] int64 cache position of the next one-token write; None while the prompt is written.
-        self.write_pos: torch.Tensor | None = None
-        super().__init__(layers=[FixedLayer(self, max_len, kind == "sliding_attention") for kind in layer_types])
+        self.position = WritePosition()
+        super().__init__(layers=[FixedLayer(self.position, max_len, kind == "sliding_attention") for kind in layer_types])
         self.max_len = max_len
+
+    @property
+    def write_pos(self) -> torch.Tensor | None:
+        """[1] int64 cache position of the next one-token write; None while the prompt is written."""
+        return self.position.tensor
+
+    @write_pos.setter
+    def write_pos(self, value: torch.Tensor | None) -> None:
+        self.position.tensor = value
