@@ -189,6 +189,63 @@ def test_wu_completion_counts_requested_blocks():
     assert task.score(sample, "")["completion_rate"] == 0.0  # an empty reply continues no block
 
 
+def test_wu_judge_asks_about_each_checked_event_in_its_block():
+    prefix = "#*# Week 1 (January 1st - January 7th):"
+    reply = " Snow.\n#*# Week 2:\nMy wife's birthday dinner.\n#*# Week 3:\nA parenting workshop, and rain."
+    target = {"type": "Week", "number": 5, "prefix": prefix, "checks": [2, 3, 4],
+              "events": [[2, "my wife birthday"], [3, "Attend a parenting workshop"], [3, "my wife birthday"], [4, "workshop"]]}
+    asked = []
+
+    def judge(pairs):  # a stand-in judge: Yes when the event's last word is in the block
+        asked.extend(pairs)
+        return [event.split()[-1].lower() in block.lower() for block, event in pairs]
+
+    task = get_task("longgen-wu", judge="stand-in")
+    task._judge = judge
+    scores = task.score(Sample("0", (), "", target), reply)
+    # Week 4 is missing: not asked, counted as No.
+    assert [(b.split(":")[0], e) for b, e in asked] == [
+        ("Week 2", "my wife birthday"), ("Week 3", "Attend a parenting workshop"), ("Week 3", "my wife birthday")]
+    assert scores["judged"] == [True, True, False, False] and scores["judged_accuracy"] == 0.5
+    assert task.aggregate([scores, {**scores, "judged_accuracy": 1.0}])["judged_accuracy"] == 0.75
+    assert task.stale({"completion_rate": 0.4}) and not task.stale(scores)
+    plain = get_task("longgen-wu")
+    assert "judged_accuracy" not in plain.score(Sample("0", (), "", target), reply) and not plain.stale({})
+
+
+def test_wu_judge_is_not_part_of_the_run_key():
+    from types import SimpleNamespace
+
+    from siftattention.eval.generation_eval import run_key
+    from siftattention.eval.tasks import TaskData
+
+    settings = SimpleNamespace(model="m", chat=True, max_new_tokens=8, batch_size=2)
+    data = TaskData([], "file:x", "0" * 64)
+    assert run_key(get_task("longgen-wu", judge="smollm2-135m"), data, settings) == run_key(get_task("longgen-wu"), data, settings)
+
+
+def test_yes_no_judge_margins_equal_the_model_logits(embedded):
+    from siftattention.eval.tasks.longgen_wu import YesNoJudge
+
+    judge = object.__new__(YesNoJudge)  # the loaded embedded model, without loading it again
+    judge.model, judge.tokenizer = embedded
+    judge.max_block_tokens, judge.batch_size = 1024, 3
+    judge.yes, judge.no = judge._token_ids(("Yes", " Yes")), judge._token_ids(("No", " No"))
+    pairs = [("Week 3: we went to a parenting workshop on Saturday.", "Attend a parenting workshop"),
+             ("Week 9: rain all week, and a long report at work.", "my wife birthday"),
+             ("Floor 12: the gym, open all night, with a pool on the terrace and a small cafe.", "a swimming pool")]
+    batched = judge.margins(pairs)
+    import torch
+
+    for (block, event), m in zip(pairs, batched):  # one prompt at a time, no padding, straight from the model
+        ids = torch.tensor([judge._prompt(block, event)])
+        with torch.no_grad():
+            logits = judge.model(input_ids=ids).logits[0, -1].float()
+        alone = float(logits[judge.yes].max() - logits[judge.no].max())
+        assert m == pytest.approx(alone, abs=2e-3)
+    assert judge(pairs) == [m > 0 for m in batched]
+
+
 # -- agreement with Full ---------------------------------------------------------------------------
 def test_lcs_and_rouge_l_match_rouge_score():
     from rouge_score import rouge_scorer, tokenizers

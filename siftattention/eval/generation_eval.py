@@ -230,7 +230,8 @@ def run_key(task: Task, data: TaskData, settings: "EvalSettings") -> dict[str, A
     """What the results in a task directory depend on (``run.json``)."""
     return {
         "task": task.name,
-        "task_options": {k: v for k, v in task.settings.items() if not k.endswith("_file")},  # files: data_sha256 covers them
+        # files: data_sha256 covers them; scoring options do not change the decoded text
+        "task_options": {k: v for k, v in task.settings.items() if not k.endswith("_file") and k not in task.scoring_options},
         "model": settings.model,
         "chat": settings.chat,
         "max_new_tokens": settings.max_new_tokens,
@@ -242,7 +243,7 @@ def run_key(task: Task, data: TaskData, settings: "EvalSettings") -> dict[str, A
 def rescore(task: Task, samples: dict[str, Sample], path: Path, rows: dict[str, dict[str, Any]]) -> None:
     """Score the finished samples that were decoded with scoring off, and rewrite their file."""
     for row in rows.values():
-        if row["scores"] is None:
+        if row["scores"] is None or task.stale(row["scores"]):
             row["scores"] = task.score(samples[row["id"]], task.cut_at_stop(row["text"]))
     everything = read_rows(path)  # rows outside this run's limit stay as they are
     for row in everything:
@@ -394,7 +395,7 @@ def evaluate_generation(
     for spec, method in methods:
         path = task_dir / f"{method_slug(method)}.jsonl"
         rows = {r["id"]: r for r in read_rows(path) if r["id"] in wanted}
-        if settings.score and any(r["scores"] is None for r in rows.values()):
+        if settings.score and any(r["scores"] is None or task.stale(r["scores"]) for r in rows.values()):
             rescore(task, {s.id: s for s in samples}, path, rows)
         if on_progress:
             on_progress(spec, len(rows), len(samples))

@@ -64,6 +64,8 @@ class Task:
     headline: ClassVar[str] = ""
     #: task options (``--task-option key=value``) and their defaults
     options: ClassVar[dict[str, Any]] = {}
+    #: options that change only the scoring, not the decoded text (kept out of the run key)
+    scoring_options: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, **options: Any) -> None:
         unknown = set(options) - set(self.options)
@@ -78,6 +80,10 @@ class Task:
     def score(self, sample: Sample, response: str) -> dict[str, Any]:
         """Score fields of one response (booleans, numbers or lists of booleans)."""
         raise NotImplementedError
+
+    def stale(self, scores: dict[str, Any]) -> bool:
+        """Whether a stored score needs scoring again (a scoring option added since)."""
+        return False
 
     def aggregate(self, rows: Sequence[dict[str, Any]]) -> dict[str, float]:
         """Metrics over the score fields of several responses (NaN when there are none)."""

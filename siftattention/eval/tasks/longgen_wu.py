@@ -10,16 +10,24 @@ file itself), ``$SIFT_DATA_DIR/longgenbench/``.
 Completion rate, as the authors parse blocks (``Evalution/eval.py``): the reply is split at
 ``#*#`` and a block counts when ``{type} (\\d+)`` in it names a requested block 1..number;
 text of the reply before its first ``#*#`` continues the prompt's first block, whose header
-(``prefix``) is then prepended. Accuracy (does the block at each checked position mention its event) needs a
-judge model in the authors' setup; it is not computed here, and ``checks_present`` reports
-how many checked blocks exist at all.
+(``prefix``) is then prepended. ``checks_present`` reports how many checked blocks exist at all.
+
+Accuracy (does the block at each checked position mention its event: a birthday, a trip, a
+periodic activity) needs a judge model, as in the authors' setup (they use GPT-4o). With the
+task option ``judge=MODEL`` (an embedded name, a local directory or a hub id) a local model
+answers Yes or No for each (block, event) pair and ``judged_accuracy`` is the share of Yes,
+a missing block counting as No. The judge only scores: it is not part of the run key, so the
+same ``sift eval`` run again with it (or ``sift sweep --score-only``) judges replies decoded
+earlier without decoding them again.
 """
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
+
+import torch
 
 from ...data import DataNotFoundError, find_data_file
 from .base import Sample, Task, TaskData, TaskDataError, mean, prompts_digest, read_json, require_fields
@@ -27,24 +35,92 @@ from .base import Sample, Task, TaskData, TaskDataError, mean, prompts_digest, r
 DATASET = "spinning-golden-thread/Dataset_short.json"
 
 
-def found_blocks(reply: str, block_type: str, prefix: str) -> set[int]:
-    """Block numbers present in a reply (the authors' ``parse_weeks`` over ``#*#``-separated blocks)."""
+def reply_blocks(reply: str, block_type: str, prefix: str) -> dict[int, str]:
+    """Block number -> text (its first occurrence), parsed like the authors' ``parse_weeks``."""
     header = re.compile(rf"{re.escape(block_type)} (\d+)")
     # Text before the reply's first separator continues the prompt's first block.
     text = prefix + reply if reply.split("#*#", 1)[0].strip() else reply
-    found = set()
+    blocks: dict[int, str] = {}
     for block in text.split("#*#"):
         match = header.search(block)
         if match:
-            found.add(int(match.group(1)))
-    return found
+            blocks.setdefault(int(match.group(1)), block.strip())
+    return blocks
+
+
+def found_blocks(reply: str, block_type: str, prefix: str) -> set[int]:
+    """Block numbers present in a reply (the authors' ``parse_weeks`` over ``#*#``-separated blocks)."""
+    return set(reply_blocks(reply, block_type, prefix))
+
+
+JUDGE_PROMPT = (
+    "Here is one entry of a longer text:\n\n{block}\n\n"
+    "Does this entry mention the following: {event}? Answer with Yes or No."
+)
+
+
+class YesNoJudge:
+    """A local causal LM that answers a yes/no question: Yes when its next-token logit for
+    "Yes" beats the one for "No" (each the best of its spellings with and without a space)."""
+
+    def __init__(self, name: str, max_block_tokens: int = 1024, batch_size: int = 8) -> None:
+        from ...models import load_model
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.name = name
+        self.model, self.tokenizer = load_model(name, device=device)
+        self.max_block_tokens, self.batch_size = max_block_tokens, batch_size
+        self.yes = self._token_ids(("Yes", " Yes"))
+        self.no = self._token_ids(("No", " No"))
+
+    def _token_ids(self, spellings: tuple[str, ...]) -> list[int]:
+        return sorted({self.tokenizer.encode(s, add_special_tokens=False)[0] for s in spellings})
+
+    def _prompt(self, block: str, event: str) -> list[int]:
+        ids = self.tokenizer.encode(block, add_special_tokens=False)[: self.max_block_tokens]
+        text = JUDGE_PROMPT.format(block=self.tokenizer.decode(ids), event=event)
+        if getattr(self.tokenizer, "chat_template", None):
+            return list(self.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                           tokenize=True, return_dict=False))
+        return self.tokenizer.encode(text + "\nAnswer:", add_special_tokens=True)
+
+    @torch.inference_mode()
+    def margins(self, pairs: Sequence[tuple[str, str]]) -> list[float]:
+        """Best "Yes" logit minus best "No" logit for each (block, event), batched with left padding."""
+        out: list[float] = []
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        device = next(self.model.parameters()).device
+        for a in range(0, len(pairs), self.batch_size):
+            prompts = [self._prompt(b, e) for b, e in pairs[a : a + self.batch_size]]
+            width = max(len(p) for p in prompts)
+            ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+            positions = (mask.cumsum(1) - 1).clamp(min=0)
+            logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions).logits[:, -1].float()
+            out += (logits[:, self.yes].max(1).values - logits[:, self.no].max(1).values).tolist()
+        return out
+
+    def __call__(self, pairs: Sequence[tuple[str, str]]) -> list[bool]:
+        return [m > 0 for m in self.margins(pairs)]
 
 
 class LongGenWu(Task):
     name = "longgen-wu"
-    description = "LongGenBench (Wu et al.) short set: completion rate of the requested blocks (judged accuracy not computed)"
+    description = "LongGenBench (Wu et al.) short set: completion rate of the requested blocks; judged accuracy with judge=MODEL"
     default_max_new_tokens = 4096
     headline = "completion_rate"
+    options = {"judge": ""}
+    scoring_options = ("judge",)
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        self._judge: Callable[[Sequence[tuple[str, str]]], list[bool]] | None = None
+
+    def judge(self) -> Callable[[Sequence[tuple[str, str]]], list[bool]] | None:
+        """The judge model, loaded at its first use (None without ``judge=MODEL``)."""
+        if self._judge is None and self.settings["judge"]:
+            self._judge = YesNoJudge(self.settings["judge"])
+        return self._judge
 
     def load(self, data_path: Path | None = None) -> TaskData:
         if data_path is not None:
@@ -71,6 +147,7 @@ class LongGenWu(Task):
                     "number": int(r["number"]),
                     "prefix": r["prefix"],
                     "checks": sorted({int(k) for key in ("checks_once", "checks_range", "checks_periodic") for k in r[key]}),
+                    "events": [[int(k), v] for key in ("checks_once", "checks_range", "checks_periodic") for k, v in r[key].items()],
                 },
             )
             for i, r in enumerate(records)
@@ -79,20 +156,37 @@ class LongGenWu(Task):
 
     def score(self, sample: Sample, response: str) -> dict[str, Any]:
         t = sample.target
-        present = found_blocks(response, t["type"], t["prefix"]) & set(range(1, t["number"] + 1))
+        blocks = {n: b for n, b in reply_blocks(response, t["type"], t["prefix"]).items() if 1 <= n <= t["number"]}
         checks = t["checks"]
-        return {
-            "blocks": len(present),
+        scores: dict[str, Any] = {
+            "blocks": len(blocks),
             "number": t["number"],
-            "completion_rate": len(present) / t["number"],
-            "checks_present": sum(c in present for c in checks) / len(checks) if checks else float("nan"),
+            "completion_rate": len(blocks) / t["number"],
+            "checks_present": sum(c in blocks for c in checks) / len(checks) if checks else float("nan"),
         }
+        judge = self.judge()
+        if judge is not None and t.get("events"):
+            asked = [(blocks[n], event) for n, event in t["events"] if n in blocks]
+            verdicts = iter(judge(asked))
+            judged = [bool(next(verdicts)) if n in blocks else False for n, _ in t["events"]]
+            scores["judged"] = judged
+            scores["judged_accuracy"] = sum(judged) / len(judged)
+        return scores
+
+    def stale(self, scores: dict[str, Any]) -> bool:
+        # Replies scored before a judge was named are judged on the next scoring pass.
+        return bool(self.settings["judge"]) and "judged_accuracy" not in scores
 
     def aggregate(self, rows: Sequence[dict[str, Any]]) -> dict[str, float]:
-        return {
+        metrics = {
             "completion_rate": mean([r["completion_rate"] for r in rows]),
             "checks_present": mean([r["checks_present"] for r in rows]),
         }
+        if self.settings["judge"]:
+            metrics["judged_accuracy"] = mean([r["judged_accuracy"] for r in rows if "judged_accuracy" in r])
+        return metrics
 
     def info(self) -> dict[str, Any]:
-        return {"checker": "Wu et al. block parsing ('#*#' split, '{type} N' headers), reimplemented; no judge model"}
+        judge = self.settings["judge"]
+        return {"checker": "Wu et al. block parsing ('#*#' split, '{type} N' headers), reimplemented; "
+                + (f"judged accuracy by {judge!r} (Yes/No next-token logits)" if judge else "no judge model")}
