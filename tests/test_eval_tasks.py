@@ -213,6 +213,19 @@ def test_wu_judge_asks_about_each_checked_event_in_its_block():
     assert "judged_accuracy" not in plain.score(Sample("0", (), "", target), reply) and not plain.stale({})
 
 
+def test_wu_judge_that_cannot_load_fails_with_the_data(tmp_path):
+    from siftattention.models import ModelNotFoundError
+
+    record = {"prompt": "Write.", "type": "Week", "number": 2, "prefix": "#*# Week 1:", "checks_once": {"2": "a trip"},
+              "checks_range": {}, "checks_periodic": {}}
+    data = tmp_path / "Dataset_short.json"
+    data.write_text(json.dumps([record]))
+    (tmp_path / "notes.txt").write_text("not a model")
+    assert len(get_task("longgen-wu").load(data).samples) == 1
+    with pytest.raises(ModelNotFoundError, match="is a file, not a model directory"):
+        get_task("longgen-wu", judge=str(tmp_path / "notes.txt")).load(data)
+
+
 def test_wu_judge_is_not_part_of_the_run_key():
     from types import SimpleNamespace
 

@@ -152,6 +152,7 @@ class LongGenWu(Task):
             )
             for i, r in enumerate(records)
         ]
+        self.judge()  # a judge that cannot load fails here, before any decoding
         return TaskData(samples, f"file:{path}", prompts_digest(samples))
 
     def score(self, sample: Sample, response: str) -> dict[str, Any]:
