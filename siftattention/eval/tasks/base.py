@@ -13,7 +13,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Sequence
+from typing import Any, Callable, ClassVar, Sequence
 
 from ...data import DataNotFoundError
 
@@ -158,19 +158,19 @@ def hub_records(path: str, split: str) -> list[dict[str, Any]] | None:
         return None
 
 
-def load_records(data_path: Path | None, local: Path | None, local_label: str, hub: tuple[str, str], missing: str) -> tuple[list[dict[str, Any]], str]:
-    """Records and their source: ``data_path`` if given, else the ``local`` JSONL, else the hub split.
+def load_records(data_path: Path | None, find_local: Callable[[], Path | None], local_label: str, hub: tuple[str, str],
+                 missing: str) -> tuple[list[dict[str, Any]], str]:
+    """Records and their source: ``data_path`` if given, else the JSONL ``find_local()`` finds, else the hub split.
 
     Raises DataNotFoundError with ``missing`` when none of them is there.
     """
     if data_path is not None:
         return read_jsonl(data_path), f"file:{data_path}"
+    local = find_local()
     if local is not None:
         return read_jsonl(local), f"{local_label}:{local}"
     records = hub_records(*hub)
     if records is None:
-        from ...data import DataNotFoundError
-
         raise DataNotFoundError(missing)
     return records, f"hub:{hub[0]}/{hub[1]}"
 

@@ -103,9 +103,9 @@ class IFEval(Task):
     headline = "prompt_level_strict_acc"
 
     def load(self, data_path: Path | None = None) -> TaskData:
-        local = None if data_path is not None else resource_file("ifeval/input_data.jsonl") or find_data_file("ifeval/input_data.jsonl")
         records, source = load_records(
-            data_path, local, "file", ("google/IFEval", "train"),
+            data_path, lambda: resource_file("ifeval/input_data.jsonl") or find_data_file("ifeval/input_data.jsonl"), "file",
+            ("google/IFEval", "train"),
             "IFEval prompts not found: pass --data-file input_data.jsonl, set SIFT_DATA_DIR, "
             "or install `datasets` with a reachable hub (google/IFEval)",
         )

@@ -67,7 +67,6 @@ class YesNoJudge:
         from ...models import load_model
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.name = name
         self.model, self.tokenizer = load_model(name, device=device)
         self.max_block_tokens, self.batch_size = max_block_tokens, batch_size
         self.yes = self._token_ids(("Yes", " Yes"))
@@ -87,14 +86,12 @@ class YesNoJudge:
     @torch.inference_mode()
     def margins(self, pairs: Sequence[tuple[str, str]]) -> list[float]:
         """Best "Yes" logit minus best "No" logit for each (block, event), batched with left padding."""
+        from ..generation_eval import left_pad  # the eval loop's padding (that module imports this package)
+
         out: list[float] = []
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        device = next(self.model.parameters()).device
         for a in range(0, len(pairs), self.batch_size):
-            prompts = [self._prompt(b, e) for b, e in pairs[a : a + self.batch_size]]
-            width = max(len(p) for p in prompts)
-            ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+            ids, mask = left_pad([self._prompt(b, e) for b, e in pairs[a : a + self.batch_size]], pad, self.model.device)
             positions = (mask.cumsum(1) - 1).clamp(min=0)
             logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions).logits[:, -1].float()
             out += (logits[:, self.yes].max(1).values - logits[:, self.no].max(1).values).tolist()

