@@ -15,6 +15,7 @@ import click
 from rich.console import Console
 
 from .methods import SPEC_HELP
+from .report import check_out_dir
 
 console = Console(width=None if sys.stdout.isatty() else 160)
 err_console = Console(stderr=True)
@@ -27,13 +28,6 @@ class EvalError(click.ClickException):
 
     def show(self, file=None) -> None:  # noqa: ARG002 - click's signature
         err_console.print(f"sift: error: {self.message}", highlight=False, markup=False, soft_wrap=True)
-
-
-def check_out_dir(out: Path) -> Path:
-    """The shared ``--out`` check (created and probe-written before any model load)."""
-    from .report import check_out_dir as check
-
-    return check(out)
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
