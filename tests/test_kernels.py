@@ -208,19 +208,24 @@ def test_torch_warmup_quantile_exact_scores(tau):
 
 @pytest.mark.parametrize("D", [64, 128, 256])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-def test_planned_tiles_fit_shared_memory(D, dtype):
+@pytest.mark.parametrize("kv_heads", [8, 32])
+def test_planned_tiles_fit_shared_memory(D, dtype, kv_heads):
     # Wide rows (Gemma-3's D = 256, float32 models) failed to launch on the H200 (282 KB of
     # shared memory asked, 227 KB there) before the tiles shrank with the row size.
     from siftattention.kernels.triton_decode import KernelConfig, geometry
 
     cfg = KernelConfig()
-    geo = geometry(8, 32, 8, 32768, D, dtype, torch.device("cpu"), cfg)
+    geo = geometry(8, 32, kv_heads, 32768, D, dtype, torch.device("cpu"), cfg)
     row = geo["BLOCK_D"] * dtype.itemsize
     assert geo["BLOCK_ND"] * row * 2 * cfg.stagesd <= 200 * 1024  # K and V tiles, pipelined
     assert geo["BLOCK_N1"] * row * cfg.stages1 <= 200 * 1024
-    assert geo["BLOCK_NB"] * row * cfg.stages2 <= 200 * 1024
+    assert geo["BLOCK_N2"] * row * cfg.stages2 <= 200 * 1024
+    assert geo["BLOCK_NB"] * row * geo["STAGES_B"] <= 200 * 1024
+    gqa = kv_heads < 32
     if row <= 256:  # the tuned tiles are kept where they fit
-        assert (geo["BLOCK_N1"], geo["BLOCK_ND"], geo["BLOCK_NB"]) == (cfg.block_n1, cfg.block_nd, cfg.block_nb)
+        assert (geo["BLOCK_N1"], geo["BLOCK_ND"]) == (cfg.block_n1, cfg.block_nd)
+        assert (geo["BLOCK_N2"], geo["BLOCK_NB"]) == (
+            (cfg.block_n2_gqa, cfg.block_nb_gqa) if gqa else (cfg.block_n2, cfg.block_nb))
 
 
 def test_validation_errors():
@@ -436,7 +441,7 @@ def test_functional_api_eta_edges_and_starts():
 # (B, Hq, Hkv, S, D, dtype, config overrides). Small blocks and splits so that odd
 # lengths cross tile, split and compaction boundaries.
 SMALL = dict(block_n1=16, block_n2=16, block_a=32, scan_elems=0, min_split1=16, min_split2=16, quantile_block=32,
-             block_nd=16, min_splitd=16, block_nb=16, quantile_parallel=True)
+             block_nd=16, min_splitd=16, block_nb=16, block_n2_gqa=16, block_nb_gqa=32, quantile_parallel=True)
 TRITON_CASES = [
     (2, 4, 4, 37, 64, "float32", {"quantile_parallel": False}),  # one quantile program per row
     (2, 4, 4, 45, 64, "float16", {"scan_elems": 64, "reuse_sync": False}),  # MHA scan rows of 64 keys
@@ -444,7 +449,7 @@ TRITON_CASES = [
     (2, 8, 1, 41, 64, "bfloat16", {"compact_weights": False}),  # phase B gathers the scores
     (2, 8, 1, 41, 64, "float16", {"compact": False, "stream_mask_v": True}),
     (1, 4, 4, 70, 128, "bfloat16", {"dense_pct": 0, "fused_combine": False}),
-    (1, 4, 1, 29, 256, "float32", {"block_n1": 64, "block_nd": 64, "block_nb": 64}),  # Gemma-3's head: tiles shrink
+    (1, 4, 1, 29, 256, "float32", {"block_n1": 64, "block_nd": 64, "block_nb_gqa": 64}),  # Gemma-3's head: tiles shrink
 ]
 
 

@@ -75,11 +75,11 @@ class KernelConfig:
     stages1: int = 3
     programs1: int = 64  # target programs per SM for the scores pass (sets the split)
     min_split1: int = 1024  # fewest keys per split
-    block_n2: int = 32  # V rows per iteration in the filter pass
+    block_n2: int = 32  # V rows per iteration of the filter pass's streaming loop
     warps2: int = 4
-    stages2: int = 3
+    stages2: int = 4
     programs2: int = 8
-    min_split2: int = 4096
+    min_split2: int = 2048
     fill: int = 2  # fewest programs per SM (overrides the minimum split length)
     # Programs of each kernel resident on one SM at once (registers / shared memory of the
     # default fp16 builds): small grids are sized to whole waves of these.
@@ -92,7 +92,14 @@ class KernelConfig:
     use_dot: bool = True
     compact: bool = True  # filter pass: gather compacted kept rows (see _filter_kernel)
     compact_weights: bool = True  # the scan also writes the kept weights compacted (phase B: one indirection)
-    block_nb: int = 64  # V rows per gather iteration with compact_weights (0: block_n2)
+    block_nb: int = 128  # V rows per gather iteration with compact_weights (0: block_n2)
+    stages_b: int = 0  # pipeline stages of the gather loop (0: stages2, the streaming loop's)
+    # GQA (several query heads per KV head): the rows some head of a group keeps are several
+    # times denser than one head's, and each gathered row feeds G heads, so longer gathers
+    # and streaming tiles pay there; for MHA they cost occupancy (more registers).
+    block_n2_gqa: int = 64
+    block_nb_gqa: int = 256
+    stages_b_gqa: int = 2
     stream_mask_v: bool = False  # streaming mode loads only the kept V rows (else every row of the tile)
     block_a: int = 1024  # fewest keys per iteration of the compaction scan
     scan_elems: int = 2048  # scan tile [G, keys] of at least this many elements (MHA: longer rows)
@@ -202,15 +209,18 @@ def _plan(
     # The tuned tiles hold 256-byte rows (D = 128 in 16 bits); wider rows (D = 256, or float32)
     # get proportionally fewer keys per tile, so the pipelined K/V tiles fit in shared memory.
     shrink = max(1, (max(16, _pow2(D)) * dtype.itemsize) // 256)
-    block_n1, block_n2, block_nd = (max(16, n // shrink) for n in (cfg.block_n1, cfg.block_n2, cfg.block_nd))
-    block_nb = max(16, (cfg.block_nb or cfg.block_n2) // shrink)
+    gqa = G > 1
+    cfg_n2, cfg_nb = (cfg.block_n2_gqa, cfg.block_nb_gqa) if gqa else (cfg.block_n2, cfg.block_nb)
+    block_n1, block_n2, block_nd = (max(16, n // shrink) for n in (cfg.block_n1, cfg_n2, cfg.block_nd))
+    block_nb = max(16, (cfg_nb or cfg_n2) // shrink)
+    stages_b = (cfg.stages_b_gqa if gqa else cfg.stages_b) or cfg.stages2
     ns1 = _splits(S, rows, block_n1, cfg.programs1, sms, cfg.min_split1, cfg.fill, cfg.resident1)
     ns2 = _splits(S, rows, block_n2, cfg.programs2, sms, cfg.min_split2, cfg.fill, cfg.resident2)
     nsd = _splits(S, rows, block_nd, cfg.programsd, sms, cfg.min_splitd, cfg.fill, cfg.residentd)
     nq = _splits(S, B * Hq, 256, cfg.programsq, sms, cfg.min_splitq, cfg.fill, cfg.residentq)
     return dict(
         B=B, Hq=Hq, Hkv=Hkv, S=S, D=D, G=G, dtype=dtype, use_dot=cfg.use_dot,
-        BLOCK_N1=block_n1, BLOCK_N2=block_n2, BLOCK_ND=block_nd, BLOCK_NB=block_nb,
+        BLOCK_N1=block_n1, BLOCK_N2=block_n2, BLOCK_ND=block_nd, BLOCK_NB=block_nb, STAGES_B=stages_b,
         BLOCK_G=max(16, _pow2(G)) if cfg.use_dot else _pow2(G),
         BLOCK_GA=_pow2(G),
         BLOCK_A=max(cfg.block_a, cfg.scan_elems // _pow2(G)),
@@ -416,7 +426,7 @@ def _filter_kernel(
     BLOCK_S1: tl.constexpr, CH: tl.constexpr, COMPACT_W: tl.constexpr, STREAM_MASK_V: tl.constexpr,
     HAS_SEQ_LENS: tl.constexpr, HAS_STARTS: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_PREC: tl.constexpr, DOT_UPCAST: tl.constexpr,
-    KEEP_ALL: tl.constexpr, COMPACT: tl.constexpr, DENSE_PCT: tl.constexpr,
+    KEEP_ALL: tl.constexpr, COMPACT: tl.constexpr, DENSE_PCT: tl.constexpr, STAGES_B: tl.constexpr,
     FUSED_COMBINE: tl.constexpr, RESET_SYNC: tl.constexpr, RENORMALIZE: tl.constexpr, WRITE_KEPT: tl.constexpr,
     PDL: tl.constexpr, EVICT: tl.constexpr,
 ):
@@ -510,7 +520,7 @@ def _filter_kernel(
                 # Phase B: gather the kept rows, all useful, BLOCK_N per iteration.
                 if COMPACT_W:
                     w_base = Wc + row[:, None] * S_MAX + start
-                    for j in range(0, n_kept, BLOCK_NB):
+                    for j in tl.range(0, n_kept, BLOCK_NB, num_stages=STAGES_B):
                         jj = j + offs_nb
                         jm = jj < n_kept
                         idx = tl.load(idx_ptr + jj, mask=jm, other=0)
@@ -521,7 +531,7 @@ def _filter_kernel(
                         acc += _dot(w, v, DOT_PREC, DOT_UPCAST)
                     mass = _narrow(mass_a, offs_ga, offs_g)
                 else:
-                    for j in range(0, n_kept, BLOCK_N):
+                    for j in tl.range(0, n_kept, BLOCK_N, num_stages=STAGES_B):
                         jj = j + offs_n
                         jm = jj < n_kept
                         idx = tl.load(idx_ptr + jj, mask=jm, other=0)
@@ -1054,7 +1064,7 @@ def filter_pass(
         COMPACT_W=cfg.compact_weights and geo["use_dot"], STREAM_MASK_V=cfg.stream_mask_v,
         HAS_SEQ_LENS=has_sl, HAS_STARTS=has_st,
         USE_DOT=geo["use_dot"], DOT_PREC=geo["prec"], DOT_UPCAST=geo["upcast"], KEEP_ALL=eta is None,
-        COMPACT=compact, DENSE_PCT=cfg.dense_pct,
+        COMPACT=compact, DENSE_PCT=cfg.dense_pct, STAGES_B=geo["STAGES_B"],
         FUSED_COMBINE=fused, RESET_SYNC=fused, RENORMALIZE=renormalize, WRITE_KEPT=want_kept,
         PDL=pdl, EVICT=cfg.evict, num_warps=cfg.warps2, num_stages=cfg.stages2,
         **({"launch_pdl": True} if pdl else {}),
