@@ -127,7 +127,8 @@ def print_summaries(task_name: str, summaries: Sequence[dict], title: str) -> No
     from .report import results_table
 
     rows = summary_table_rows(summaries)
-    columns = [(key, key) for key in rows[0]] if rows else []
+    # Rows may differ in keys (scored and unscored runs, different warmups): every key, first seen first.
+    columns = [(key, key) for key in dict.fromkeys(k for row in rows for k in row)]
     console.print(results_table(rows, columns, title=title))
 
 

@@ -116,7 +116,7 @@ def results_table(rows: Sequence[dict], columns: Sequence[tuple[str, str]] = PPL
     for key, header in columns:
         table.add_column(header, justify="left" if key == "method" else "right", no_wrap=key == "method")
     for row in rows:
-        table.add_row(*(_fmt(row[key]) for key, _ in columns))
+        table.add_row(*(_fmt(row.get(key)) for key, _ in columns))  # a key a row lacks prints n/a
     return table
 
 

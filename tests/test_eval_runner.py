@@ -317,6 +317,31 @@ def test_decoding_without_scores_then_scoring_later_equals_one_scored_run(tmp_pa
     assert _rows(tmp_path / "later") == _rows(tmp_path / "scored")
 
 
+def test_summary_table_prints_scored_and_unscored_methods_side_by_side(tmp_path, monkeypatch):
+    # A sweep that decodes new methods without scoring next to methods scored earlier prints one
+    # table: metrics a method lacks show as n/a (this raised KeyError before).
+    import io
+
+    from rich.console import Console
+
+    from siftattention import cli_eval
+
+    model, tok = tiny_llama(seed=17), tiny_chat_tokenizer()
+    data = get_task("ifeval").load(ifeval_file(tmp_path / "p.jsonl", n=2))
+    scored = _run(model, tok, tmp_path / "a", data, EvalSettings(model="tiny", max_new_tokens=5, batch_size=2, path="reference"),
+                  ["full"])
+    unscored = _run(model, tok, tmp_path / "b", data, EvalSettings(model="tiny", max_new_tokens=5, batch_size=2, path="reference",
+                                                                   score=False), ["sift:tau=0.75,warmup=4"])
+    buf = io.StringIO()
+    monkeypatch.setattr(cli_eval, "console", Console(file=buf, width=400))
+    sift_only = [s for s in unscored if s["method"] != "full"]
+    cli_eval.print_summaries("ifeval", scored + sift_only, title="mixed")
+    lines = {line.split()[1]: line for line in buf.getvalue().splitlines() if line.startswith("│ ")}
+    assert "prompt strict" in buf.getvalue()
+    assert "n/a" not in lines["full"].split("│")[2]
+    assert lines["sift:tau=0.75,warmup=4"].split("│")[2].strip() == "n/a"
+
+
 def test_scoring_without_decoding_skips_unfinished_methods(tmp_path):
     model, tok = tiny_llama(seed=16), tiny_chat_tokenizer()
     data = get_task("ifeval").load(ifeval_file(tmp_path / "p.jsonl", n=3))
