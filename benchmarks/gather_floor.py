@@ -36,16 +36,28 @@ import triton.language as tl
 
 
 @triton.jit
-def _stream_kernel(V, W, Mask, Out, S, SPLIT_LEN, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
-                   BLOCK: tl.constexpr, MASKED: tl.constexpr, STAGES: tl.constexpr):
+def _program_split(S, SPLIT_LEN):
+    """(split, row, lo, hi): this program's split of its (batch, KV head) row of S keys."""
     split = tl.program_id(0)
     r = tl.program_id(1).to(tl.int64)
+    lo = split * SPLIT_LEN
+    return split, r, lo, tl.minimum(lo + SPLIT_LEN, S)
+
+
+@triton.jit
+def _store_partial(Out, r, split, acc, BLOCK_G: tl.constexpr, D: tl.constexpr):
+    offs_g = tl.arange(0, BLOCK_G)
+    tl.store(Out + ((r * tl.num_programs(0) + split) * BLOCK_G + offs_g)[:, None] * D + tl.arange(0, D)[None, :], acc)
+
+
+@triton.jit
+def _stream_kernel(V, W, Mask, Out, S, SPLIT_LEN, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
+                   BLOCK: tl.constexpr, MASKED: tl.constexpr, STAGES: tl.constexpr):
+    split, r, lo, hi = _program_split(S, SPLIT_LEN)
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, D)
     offs_n = tl.arange(0, BLOCK)
     g_mask = offs_g < G
-    lo = split * SPLIT_LEN
-    hi = tl.minimum(lo + SPLIT_LEN, S)
     acc = tl.zeros([BLOCK_G, D], tl.float32)
     for n0 in tl.range(lo, hi, BLOCK, num_stages=STAGES):
         offs = n0 + offs_n
@@ -59,7 +71,7 @@ def _stream_kernel(V, W, Mask, Out, S, SPLIT_LEN, G: tl.constexpr, BLOCK_G: tl.c
         v = tl.load(V + (r * S + offs)[:, None] * D + offs_d[None, :], mask=vm[:, None], other=0.0,
                     eviction_policy="evict_first")
         acc += tl.dot(w, v)
-    tl.store(Out + ((r * tl.num_programs(0) + split) * BLOCK_G + offs_g)[:, None] * D + offs_d[None, :], acc)
+    _store_partial(Out, r, split, acc, BLOCK_G, D)
 
 
 @triton.jit
@@ -101,16 +113,13 @@ def _gather(V, Idx, Wc, Out, r, split, lo, n, S, G: tl.constexpr, BLOCK_G: tl.co
         v = tl.load(V + (r * S + idx.to(tl.int64))[:, None] * D + offs_d[None, :], mask=jm[:, None], other=0.0,
                     eviction_policy="evict_first")
         acc += tl.dot(w, v)
-    tl.store(Out + ((r * tl.num_programs(0) + split) * BLOCK_G + offs_g)[:, None] * D + offs_d[None, :], acc)
+    _store_partial(Out, r, split, acc, BLOCK_G, D)
 
 
 @triton.jit
 def _scan_kernel(Scores, Thr, Idx, Wc, Cnt, S, SPLIT_LEN, G: tl.constexpr, BLOCK_GA: tl.constexpr,
                  BLOCK_A: tl.constexpr):
-    split = tl.program_id(0)
-    r = tl.program_id(1).to(tl.int64)
-    lo = split * SPLIT_LEN
-    hi = tl.minimum(lo + SPLIT_LEN, S)
+    split, r, lo, hi = _program_split(S, SPLIT_LEN)
     n = _scan(Scores, Thr, Idx, Wc, r, lo, hi, S, G, BLOCK_GA, BLOCK_A)
     tl.store(Cnt + r * tl.num_programs(0) + split, n)
 
@@ -118,20 +127,16 @@ def _scan_kernel(Scores, Thr, Idx, Wc, Cnt, S, SPLIT_LEN, G: tl.constexpr, BLOCK
 @triton.jit
 def _gather_kernel(V, Idx, Wc, Cnt, Out, S, SPLIT_LEN, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
                    BLOCK: tl.constexpr, STAGES: tl.constexpr):
-    split = tl.program_id(0)
-    r = tl.program_id(1).to(tl.int64)
+    split, r, lo, _ = _program_split(S, SPLIT_LEN)
     n = tl.load(Cnt + r * tl.num_programs(0) + split)
-    _gather(V, Idx, Wc, Out, r, split, split * SPLIT_LEN, n, S, G, BLOCK_G, D, BLOCK, STAGES)
+    _gather(V, Idx, Wc, Out, r, split, lo, n, S, G, BLOCK_G, D, BLOCK, STAGES)
 
 
 @triton.jit
 def _scan_gather_kernel(V, Scores, Thr, Idx, Wc, Out, S, SPLIT_LEN, G: tl.constexpr, BLOCK_G: tl.constexpr,
                         BLOCK_GA: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, BLOCK_A: tl.constexpr,
                         STAGES: tl.constexpr):
-    split = tl.program_id(0)
-    r = tl.program_id(1).to(tl.int64)
-    lo = split * SPLIT_LEN
-    hi = tl.minimum(lo + SPLIT_LEN, S)
+    split, r, lo, hi = _program_split(S, SPLIT_LEN)
     n = _scan(Scores, Thr, Idx, Wc, r, lo, hi, S, G, BLOCK_GA, BLOCK_A)
     tl.debug_barrier()
     _gather(V, Idx, Wc, Out, r, split, lo, n, S, G, BLOCK_G, D, BLOCK, STAGES)
@@ -187,6 +192,10 @@ def main() -> None:
         n_union = int(union.sum())
         w_full = torch.where(keep, torch.exp2(scores), torch.zeros((), device=dev)).to(torch.float16)
         ref = torch.einsum("rgs,rsd->rgd", w_full.double(), V.double())
+        def rel_err(out: torch.Tensor) -> float:
+            """Max error of the split partials' sum against float64, relative to the largest output."""
+            return (out.sum(1)[:, :G].double() - ref).abs().max().item() / ref.abs().max().item()
+
         tag = dict(keep=keep_frac, corr=corr, density=round(density, 4))
         print(f"-- each head keeps {keep_frac}, heads {'identical' if corr else 'independent'}: "
               f"union density {density:.3f}", flush=True)
@@ -206,7 +215,7 @@ def main() -> None:
             fn = lambda: _stream_kernel[(nsplit, R)](V, w_full, mask8, out, S, split_len, G=G, BLOCK_G=BG, D=D,
                                                     BLOCK=block, MASKED=masked, STAGES=stages, num_warps=warps)
             fn()
-            err = (out.sum(1)[:, :G].double() - ref).abs().max().item() / ref.abs().max().item()
+            err = rel_err(out)
             useful = (n_union * D * 2 if masked else v_bytes) + R * S * (G * 2 + (1 if masked else 0))
             record("masked" if masked else "stream", bench(fn), useful, nsplit=nsplit, block=block, stages=stages,
                    warps=warps, err=err, **tag)
@@ -231,7 +240,7 @@ def main() -> None:
                 gather = lambda: _gather_kernel[(nsplit, R)](V, idx, wc, cnt, out, S, split_len, G=G, BLOCK_G=BG, D=D,
                                                              BLOCK=block, STAGES=stages, num_warps=warps)
                 gather()
-                err = (out.sum(1)[:, :G].double() - ref).abs().max().item() / ref.abs().max().item()
+                err = rel_err(out)
                 useful = n_union * (D * 2 + 4 + 2 * G)
                 cfg = dict(nsplit=nsplit, block=block, stages=stages, warps=warps, block_a=block_a)
                 record("gather", bench(gather), useful, err=err, **cfg, **tag)
@@ -239,7 +248,7 @@ def main() -> None:
                                                                BLOCK_G=BG, BLOCK_GA=BGA, D=D, BLOCK=block,
                                                                BLOCK_A=block_a, STAGES=stages, num_warps=warps)
                 both()
-                err = (out.sum(1)[:, :G].double() - ref).abs().max().item() / ref.abs().max().item()
+                err = rel_err(out)
                 record("scan+gather", bench(both), useful + scores.numel() * 4 + n_union * (4 + 2 * G), err=err,
                        **cfg, **tag)
         del scores, keep, w_full, ref

@@ -87,12 +87,3 @@ class FixedCache(Cache):
         self.position = WritePosition()
         super().__init__(layers=[FixedLayer(self.position, max_len, kind == "sliding_attention") for kind in layer_types])
         self.max_len = max_len
-
-    @property
-    def write_pos(self) -> torch.Tensor | None:
-        """[1] int64 cache position of the next one-token write; None while the prompt is written."""
-        return self.position.tensor
-
-    @write_pos.setter
-    def write_pos(self, value: torch.Tensor | None) -> None:
-        self.position.tensor = value

@@ -198,7 +198,7 @@ class _Loop:
             logits = self.model(input_ids=input_ids[:, a:b], **kwargs).logits[:, -1]
         self.positions.copy_(positions[:, -1] + 1)
         self._emit(logits, torch.zeros(1, dtype=torch.long, device=self.device))
-        self.cache.write_pos = self.ctx.write_pos
+        self.cache.position.tensor = self.ctx.write_pos
         for layer in self.handle.records:
             self.handle.records[layer] = StepRecord(self.T - 1, self.ctx.counter)
 

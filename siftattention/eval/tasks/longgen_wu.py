@@ -134,21 +134,14 @@ class LongGenWu(Task):
         if not isinstance(records, list) or not records:
             raise TaskDataError(f"cannot read {path}: expected a JSON list of prompts")
         require_fields(records, ("prompt", "type", "number", "prefix", "checks_once", "checks_range", "checks_periodic"), path)
-        samples = [
-            Sample(
-                id=str(i),
-                messages=({"role": "user", "content": r["prompt"]},),
-                plain=r["prompt"],
-                target={
-                    "type": r["type"],
-                    "number": int(r["number"]),
-                    "prefix": r["prefix"],
-                    "checks": sorted({int(k) for key in ("checks_once", "checks_range", "checks_periodic") for k in r[key]}),
-                    "events": [[int(k), v] for key in ("checks_once", "checks_range", "checks_periodic") for k, v in r[key].items()],
-                },
-            )
-            for i, r in enumerate(records)
-        ]
+        samples = []
+        for i, r in enumerate(records):
+            # (block number, event) of every check; the checked blocks are their numbers.
+            events = [[int(k), v] for key in ("checks_once", "checks_range", "checks_periodic") for k, v in r[key].items()]
+            target = {"type": r["type"], "number": int(r["number"]), "prefix": r["prefix"],
+                      "checks": sorted({n for n, _ in events}), "events": events}
+            samples.append(Sample(id=str(i), messages=({"role": "user", "content": r["prompt"]},), plain=r["prompt"],
+                                  target=target))
         self.judge()  # a judge that cannot load fails here, before any decoding
         return TaskData(samples, f"file:{path}", prompts_digest(samples))
 
