@@ -228,6 +228,27 @@ def test_planned_tiles_fit_shared_memory(D, dtype, kv_heads):
             (cfg.block_n2_gqa, cfg.block_nb_gqa) if gqa else (cfg.block_n2, cfg.block_nb))
 
 
+@pytest.mark.parametrize("S", [2048, 8192, 32768, 131072])
+def test_filter_pass_grid_at_small_batch(S):
+    # Few (batch, KV head) rows: the filter pass gets at most one program per SM from the fill
+    # rule and is not rounded up to a whole wave of resident programs (more, shorter splits
+    # only add partial outputs to combine); longer rows keep the minimum split length.
+    from siftattention.kernels.triton_decode import KernelConfig, _cdiv, _plan
+
+    cfg, sms = KernelConfig(), 132
+    for B, Hkv in ((1, 8), (2, 8), (1, 32), (4, 8), (8, 8)):
+        rows = B * Hkv
+        geo = _plan(B, 32, Hkv, S, 128, torch.float16, sms, True, False, cfg)
+        by_length = min(_cdiv(cfg.programs2 * sms, rows), _cdiv(S, cfg.min_split2))
+        if by_length * rows <= sms:  # the fill rule decides
+            assert sms - rows < rows * geo["ns2"] <= sms, (B, Hkv, S, geo["ns2"])
+        else:  # the split length decides (whole waves only past the first)
+            assert geo["ns2"] >= by_length * 3 // 4, (B, Hkv, S, geo["ns2"])
+    if S >= 8192:  # the former rule is still a configuration: one whole wave of 4 programs per SM
+        old = KernelConfig(fill2=2, whole_waves2=True)
+        assert _plan(1, 32, 8, S, 128, torch.float16, sms, True, False, old)["ns2"] * 8 == 4 * sms
+
+
 def test_validation_errors():
     q = torch.randn(2, 8, 64)
     k = torch.randn(2, 2, 10, 64)

@@ -81,6 +81,11 @@ class KernelConfig:
     programs2: int = 8
     min_split2: int = 2048
     fill: int = 2  # fewest programs per SM (overrides the minimum split length)
+    # The filter pass at small B: at most one program per SM from the fill rule, and a grid
+    # of less than one wave is not rounded up to a whole one (GQA B = 1, S = 32768: 528
+    # programs 1.45x SDPA, 264 1.17x, 136 1.17x, 128 1.03x; see NOTES_kernels.md).
+    fill2: int = 1
+    whole_waves2: bool = False
     # Programs of each kernel resident on one SM at once (registers / shared memory of the
     # default fp16 builds): small grids are sized to whole waves of these.
     resident1: int = 2
@@ -178,7 +183,7 @@ def _pow2(n: int) -> int:
 
 
 def _splits(s_max: int, rows: int, block_n: int, programs_per_sm: int, sms: int, min_len: int, fill: int,
-            resident: int) -> int:
+            resident: int, whole_waves: bool = True) -> int:
     """Number of splits per row for a cache of ``s_max`` keys.
 
     Aim for ``programs_per_sm`` programs per SM with splits of at least ``min_len``
@@ -186,14 +191,16 @@ def _splits(s_max: int, rows: int, block_n: int, programs_per_sm: int, sms: int,
     (few rows, i.e. small batch or few KV heads, need short splits to fill the chip).
     Grids of a few waves (``resident`` programs fit on an SM at once) are then sized to
     a whole number of waves: 1.3 waves of short programs cost about as much as 2.
+    ``whole_waves=False`` (the filter pass): the fill rule rounds down, and a grid of
+    less than one wave stays as it is.
     The kernels divide each row's valid range into this many splits at run time.
     """
     n_blocks = _cdiv(s_max, block_n)
     want = min(_cdiv(programs_per_sm * sms, rows), _cdiv(s_max, min_len))
-    want = max(1, want, _cdiv(fill * sms, rows))
+    want = max(1, want, _cdiv(fill * sms, rows) if whole_waves else (fill * sms) // rows)
     n = min(want, n_blocks)
     slots = resident * sms
-    if rows * n <= 4 * slots:
+    if (whole_waves or rows * n >= slots) and rows * n <= 4 * slots:
         waves = max(1, round(rows * n / slots))
         n = max(1, min(n_blocks, (waves * slots) // rows))
     return n
@@ -215,7 +222,7 @@ def _plan(
     block_nb = max(16, (cfg_nb or cfg_n2) // shrink)
     stages_b = (cfg.stages_b_gqa if gqa else cfg.stages_b) or cfg.stages2
     ns1 = _splits(S, rows, block_n1, cfg.programs1, sms, cfg.min_split1, cfg.fill, cfg.resident1)
-    ns2 = _splits(S, rows, block_n2, cfg.programs2, sms, cfg.min_split2, cfg.fill, cfg.resident2)
+    ns2 = _splits(S, rows, block_n2, cfg.programs2, sms, cfg.min_split2, cfg.fill2, cfg.resident2, cfg.whole_waves2)
     nsd = _splits(S, rows, block_nd, cfg.programsd, sms, cfg.min_splitd, cfg.fill, cfg.residentd)
     nq = _splits(S, B * Hq, 256, cfg.programsq, sms, cfg.min_splitq, cfg.fill, cfg.residentq)
     return dict(
