@@ -370,7 +370,7 @@ def run_tune_grid(args):
     if args.shapes:
         shapes = [tuple(map(int, x.split(","))) for x in args.shapes]
     base = td.config_for(torch.device(DEV))
-    dense_keys = {"block_nd", "warpsd", "stagesd", "programsd", "min_splitd", "residentd", "warmup_dense", "quantile_block",
+    dense_keys = {"block_nd", "warpsd", "stagesd", "programsd", "min_splitd", "residentd", "filld", "whole_wavesd", "warmup_dense", "quantile_block",
                   "quantile_warps", "quantile_stages", "quantile_parallel", "programsq", "min_splitq", "residentq", "evict", "fill"}
     for (B, Hq, Hkv, S) in shapes:
         D, dt = 128, torch.float16

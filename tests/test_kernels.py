@@ -229,8 +229,8 @@ def test_planned_tiles_fit_shared_memory(D, dtype, kv_heads):
 
 
 @pytest.mark.parametrize("S", [2048, 8192, 32768, 131072])
-def test_filter_pass_grid_at_small_batch(S):
-    # Few (batch, KV head) rows: the filter pass gets at most one program per SM from the fill
+def test_small_batch_split_plans(S):
+    # Few (batch, KV head) rows: the filter and dense passes get at most one program per SM from the fill
     # rule and is not rounded up to a whole wave of resident programs (more, shorter splits
     # only add partial outputs to combine); longer rows keep the minimum split length.
     from siftattention.kernels.triton_decode import KernelConfig, _cdiv, _plan
@@ -244,6 +244,10 @@ def test_filter_pass_grid_at_small_batch(S):
             assert sms - rows < rows * geo["ns2"] <= sms, (B, Hkv, S, geo["ns2"])
         else:  # the split length decides (whole waves only past the first)
             assert geo["ns2"] >= by_length * 3 // 4, (B, Hkv, S, geo["ns2"])
+        # The dense kernel follows the same rule with its own split length.
+        by_length_d = min(_cdiv(cfg.programsd * sms, rows), _cdiv(S, cfg.min_splitd))
+        if by_length_d * rows <= sms:
+            assert sms - rows < rows * geo["nsd"] <= sms, (B, Hkv, S, geo["nsd"])
     if S >= 8192:  # the former rule is still a configuration: one whole wave of 4 programs per SM
         old = KernelConfig(fill2=2, whole_waves2=True)
         assert _plan(1, 32, 8, S, 128, torch.float16, sms, True, False, old)["ns2"] * 8 == 4 * sms

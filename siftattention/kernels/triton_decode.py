@@ -86,6 +86,8 @@ class KernelConfig:
     # programs 1.45x SDPA, 264 1.17x, 136 1.17x, 128 1.03x; see NOTES_kernels.md).
     fill2: int = 1
     whole_waves2: bool = False
+    filld: int = 1  # the same two choices for the dense kernel (B = 1, S = 8192: 1.81x -> 1.05x SDPA)
+    whole_wavesd: bool = False
     # Programs of each kernel resident on one SM at once (registers / shared memory of the
     # default fp16 builds): small grids are sized to whole waves of these.
     resident1: int = 2
@@ -138,7 +140,7 @@ class KernelConfig:
     warpsd: int = 4
     stagesd: int = 3
     programsd: int = 6
-    min_splitd: int = 512
+    min_splitd: int = 2048
 
 
 # Per-device overrides of the defaults: the first entry whose key is in the device name
@@ -223,7 +225,7 @@ def _plan(
     stages_b = (cfg.stages_b_gqa if gqa else cfg.stages_b) or cfg.stages2
     ns1 = _splits(S, rows, block_n1, cfg.programs1, sms, cfg.min_split1, cfg.fill, cfg.resident1)
     ns2 = _splits(S, rows, block_n2, cfg.programs2, sms, cfg.min_split2, cfg.fill2, cfg.resident2, cfg.whole_waves2)
-    nsd = _splits(S, rows, block_nd, cfg.programsd, sms, cfg.min_splitd, cfg.fill, cfg.residentd)
+    nsd = _splits(S, rows, block_nd, cfg.programsd, sms, cfg.min_splitd, cfg.filld, cfg.residentd, cfg.whole_wavesd)
     nq = _splits(S, B * Hq, 256, cfg.programsq, sms, cfg.min_splitq, cfg.fill, cfg.residentq)
     return dict(
         B=B, Hq=Hq, Hkv=Hkv, S=S, D=D, G=G, dtype=dtype, use_dot=cfg.use_dot,
