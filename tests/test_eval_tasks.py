@@ -9,7 +9,7 @@ import pytest
 
 from siftattention.eval.tasks import Sample, agreement, common_prefix, get_task, lcs_length, rouge_l
 from siftattention.eval.tasks.longgen import last_number, pack_prompt, split_answers
-from siftattention.eval.tasks.longgen_wu import found_blocks
+from siftattention.eval.tasks.longgen_wu import reply_blocks
 
 pytest.importorskip("lm_eval")
 
@@ -181,7 +181,7 @@ def test_longgen_without_its_template_names_where_to_put_it(tmp_path, monkeypatc
 def test_wu_completion_counts_requested_blocks():
     prefix = "#*# Week 1 (January 1st - January 7th):"
     reply = " A calm week.\n#*# Week 2 (Jan 8th):\nRain.\n#*# Week 2 (again)\n#*# Week 60:\nout of range"
-    assert found_blocks(reply, "Week", prefix) == {1, 2, 60}
+    assert set(reply_blocks(reply, "Week", prefix)) == {1, 2, 60}
     task = get_task("longgen-wu")
     sample = Sample("0", (), "", {"type": "Week", "number": 4, "prefix": prefix, "checks": [2, 3]})
     scores = task.score(sample, reply)

@@ -230,9 +230,9 @@ def test_planned_tiles_fit_shared_memory(D, dtype, kv_heads):
 
 @pytest.mark.parametrize("S", [2048, 8192, 32768, 131072])
 def test_small_batch_split_plans(S):
-    # Few (batch, KV head) rows: the filter and dense passes get at most one program per SM from the fill
-    # rule and is not rounded up to a whole wave of resident programs (more, shorter splits
-    # only add partial outputs to combine); longer rows keep the minimum split length.
+    # Few (batch, KV head) rows: the filter and dense passes get at most one program per SM from
+    # the fill rule and are not rounded up to a whole wave of resident programs (more, shorter
+    # splits only add partial outputs to combine); longer rows keep the minimum split length.
     from siftattention.kernels.triton_decode import KernelConfig, _cdiv, _plan
 
     cfg, sms = KernelConfig(), 132

@@ -80,7 +80,7 @@ class KernelConfig:
     stages2: int = 4
     programs2: int = 8
     min_split2: int = 2048
-    fill: int = 2  # fewest programs per SM (overrides the minimum split length)
+    fill: int = 2  # fewest programs per SM, scores and quantile passes (overrides the minimum split length)
     # The filter pass at small B: at most one program per SM from the fill rule, and a grid
     # of less than one wave is not rounded up to a whole one (GQA B = 1, S = 32768: 528
     # programs 1.45x SDPA, 264 1.17x, 136 1.17x, 128 1.03x; see NOTES_kernels.md).
@@ -193,8 +193,8 @@ def _splits(s_max: int, rows: int, block_n: int, programs_per_sm: int, sms: int,
     (few rows, i.e. small batch or few KV heads, need short splits to fill the chip).
     Grids of a few waves (``resident`` programs fit on an SM at once) are then sized to
     a whole number of waves: 1.3 waves of short programs cost about as much as 2.
-    ``whole_waves=False`` (the filter pass): the fill rule rounds down, and a grid of
-    less than one wave stays as it is.
+    ``whole_waves=False`` (the filter and dense passes): the fill rule rounds down, and a
+    grid of less than one wave stays as it is.
     The kernels divide each row's valid range into this many splits at run time.
     """
     n_blocks = _cdiv(s_max, block_n)

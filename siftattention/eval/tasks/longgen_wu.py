@@ -48,11 +48,6 @@ def reply_blocks(reply: str, block_type: str, prefix: str) -> dict[int, str]:
     return blocks
 
 
-def found_blocks(reply: str, block_type: str, prefix: str) -> set[int]:
-    """Block numbers present in a reply (the authors' ``parse_weeks`` over ``#*#``-separated blocks)."""
-    return set(reply_blocks(reply, block_type, prefix))
-
-
 JUDGE_PROMPT = (
     "Here is one entry of a longer text:\n\n{block}\n\n"
     "Does this entry mention the following: {event}? Answer with Yes or No."
