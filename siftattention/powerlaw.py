@@ -54,18 +54,29 @@ def _safe_log(theta: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class PowerLawFit:
-    """Batched fit results: ``theta_S ~ alpha * S^-beta`` with its in-sample R^2."""
+    """Batched fit results: ``theta_S ~ alpha * S^-beta`` with its in-sample R^2.
 
-    alpha: torch.Tensor
+    The fit is kept as ``log alpha``: after a long prompt a short warmup spans a narrow
+    range of ``log S``, its exponent can be large, and ``alpha`` itself then lies far
+    outside the floating-point range while the thresholds it predicts near the warmup
+    are ordinary numbers.
+    """
+
+    log_alpha: torch.Tensor
     beta: torch.Tensor
     r2: torch.Tensor
 
+    @property
+    def alpha(self) -> torch.Tensor:
+        """``exp(log_alpha)`` (inf or 0 where it leaves the dtype's range)."""
+        return self.log_alpha.exp()
+
     def predict(self, steps: torch.Tensor | float) -> torch.Tensor:
         """Thresholds at ``steps`` ([..., n] against fits of shape [...])."""
-        steps = torch.as_tensor(steps, dtype=self.alpha.dtype, device=self.alpha.device)
+        steps = torch.as_tensor(steps, dtype=self.log_alpha.dtype, device=self.log_alpha.device)
         if steps.dim() == 0:
-            return predict(self.alpha, self.beta, steps)
-        return predict(self.alpha.unsqueeze(-1), self.beta.unsqueeze(-1), steps)
+            return predict_log(self.log_alpha, self.beta, steps)
+        return predict_log(self.log_alpha.unsqueeze(-1), self.beta.unsqueeze(-1), steps)
 
 
 def fit_power_law(
@@ -98,10 +109,9 @@ def fit_power_law(
     finite = torch.isfinite(slope) & torch.isfinite(intercept)
     slope = torch.where(finite, slope, torch.zeros_like(slope))
     intercept = torch.where(finite, intercept, torch.zeros_like(intercept))
-    alpha = intercept.exp()
     beta = -slope
-    r2 = r_squared(torch.as_tensor(steps, dtype=dtype, device=thetas.device), thetas, alpha, beta, valid)
-    return PowerLawFit(alpha=alpha, beta=beta, r2=r2)
+    r2 = _r_squared_log(torch.as_tensor(steps, dtype=dtype, device=thetas.device), thetas, intercept, beta, valid)
+    return PowerLawFit(log_alpha=intercept, beta=beta, r2=r2)
 
 
 def r_squared(
@@ -117,11 +127,15 @@ def r_squared(
     also gives the out-of-sample R^2 of a warmup fit (which can be negative). A
     constant series has R^2 = 1 if predicted exactly, else 0.
     """
+    return _r_squared_log(steps, thetas, alpha.to(torch.float64).clamp(min=torch.finfo(torch.float64).tiny).log(), beta, valid)
+
+
+def _r_squared_log(steps, thetas, log_alpha, beta, valid) -> torch.Tensor:
     dtype = torch.float64
     thetas = thetas.to(dtype)
     y = _safe_log(thetas)
     steps = torch.as_tensor(steps, dtype=dtype, device=y.device)
-    y_hat = _safe_log(predict(alpha.to(dtype).unsqueeze(-1), beta.to(dtype).unsqueeze(-1), steps).expand_as(y))
+    y_hat = _safe_log(predict_log(log_alpha.to(dtype).unsqueeze(-1), beta.to(dtype).unsqueeze(-1), steps).expand_as(y))
     w = torch.ones_like(y) if valid is None else valid.to(dtype).expand_as(y)
     n = w.sum(-1).clamp(min=1)
     y_mean = (w * y).sum(-1, keepdim=True) / n.unsqueeze(-1)
@@ -134,6 +148,11 @@ def r_squared(
 
 def predict(alpha: torch.Tensor, beta: torch.Tensor, steps: torch.Tensor | float) -> torch.Tensor:
     """``alpha * S^-beta`` with ordinary broadcasting; always finite, never NaN."""
-    steps = torch.as_tensor(steps, dtype=alpha.dtype, device=alpha.device).clamp(min=1)
-    out = torch.exp(alpha.clamp(min=torch.finfo(alpha.dtype).tiny).log() - beta * steps.log())
+    return predict_log(alpha.clamp(min=torch.finfo(alpha.dtype).tiny).log(), beta, steps)
+
+
+def predict_log(log_alpha: torch.Tensor, beta: torch.Tensor, steps: torch.Tensor | float) -> torch.Tensor:
+    """``exp(log_alpha - beta * log S)`` with ordinary broadcasting; always finite, never NaN."""
+    steps = torch.as_tensor(steps, dtype=log_alpha.dtype, device=log_alpha.device).clamp(min=1)
+    out = torch.exp(log_alpha - beta * steps.log())
     return torch.nan_to_num(out, nan=0.0, posinf=torch.finfo(out.dtype).max, neginf=0.0)

@@ -14,6 +14,7 @@ class _KeepAllSift(Sift):
     def _fit(self, state, which):
         super()._fit(state, which)
         state.alpha[which] = 0.0
+        state.log_alpha[which] = float("-inf")  # what the threshold is computed from
 
 
 def _logits(model, ids, **kwargs):

@@ -150,3 +150,19 @@ def test_full_and_keep_all_methods_are_exact_on_random_rows():
         # Every head of every row keeps all S valid keys: realized sparsity exactly 0.
         assert torch.equal(torch.cat(rec.kept, dim=2), steps.expand(2, 4, -1)), method
         assert torch.equal(torch.cat(rec.steps, dim=1), steps.expand(2, -1)), method
+
+
+def test_sift_threshold_after_a_long_prompt_follows_a_steep_fit():
+    # float32 state: log alpha (about 907 and -696 here) is kept, never alpha itself,
+    # which float32 (and for the first head float64) cannot hold.
+    method = Sift(tau=0.875, warmup=16)
+    state = method.new_state(1, 2, torch.device("cpu"))
+    steps = torch.arange(2049, 2065, dtype=torch.float64)
+    betas = torch.tensor([120.0, -90.0], dtype=torch.float64)
+    state.thetas[0] = (1e-4 * (steps[None, :] / 2064) ** -betas[:, None]).float()
+    state.theta_steps[0] = steps.float()
+    state.count.fill_(16)
+    method._fit(state, torch.tensor([True]))
+    later = torch.tensor([2065.0, 2100.0, 2300.0], dtype=torch.float64)
+    eta = torch.exp(state.log_alpha[0, :, None] - state.beta[0, :, None] * later.float().log())  # the decode step's arithmetic
+    torch.testing.assert_close(eta.double(), 1e-4 * (later[None, :] / 2064) ** -betas[:, None], rtol=5e-3, atol=0)

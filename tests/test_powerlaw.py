@@ -46,6 +46,20 @@ def test_zeros_and_non_finite_values_give_finite_thresholds():
     assert single.beta.item() == 0 and single.alpha.item() == pytest.approx(0.2)
 
 
+def test_steep_fit_after_a_long_prompt_predicts_near_its_points():
+    # A 16-step warmup after a 2048-token prompt spans log S by 0.008; its exponent can be
+    # large, and alpha = theta * S^beta then lies far outside float64 (exp(907) here).
+    steps = torch.arange(2049, 2065, dtype=torch.float64)
+    for beta in (120.0, -90.0):
+        theta = 1e-4 * (steps / 2064) ** -beta
+        fit = fit_power_law(steps, theta)
+        assert fit.beta.item() == pytest.approx(beta, rel=1e-9)
+        assert fit.log_alpha.item() == pytest.approx(math.log(1e-4) + beta * math.log(2064), rel=1e-12)
+        later = torch.tensor([2064.0, 2100.0, 2300.0], dtype=torch.float64)
+        torch.testing.assert_close(fit.predict(later), 1e-4 * (later / 2064) ** -beta, rtol=1e-8, atol=0)
+        assert fit.r2.item() == pytest.approx(1.0, abs=1e-9)
+
+
 def test_out_of_sample_r2_goes_negative_when_the_series_bends():
     steps = torch.arange(1, 1001, dtype=torch.float64)
     theta = torch.where(steps <= 100, steps**-0.5, 100**-0.5 * (steps / 100) ** 1.0)  # decays, then rises

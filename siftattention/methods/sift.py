@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 import torch
 
-from ..powerlaw import fit_power_law, masked_quantile, predict
+from ..powerlaw import fit_power_law, masked_quantile, predict_log
 from .base import DecodeOutput, KeyRange, Method, Rows, Selection, check_fraction, keep_row_max
 
 
@@ -25,7 +25,7 @@ class SiftState:
     theta_steps: torch.Tensor  # [B, w] the step S of each recorded quantile
     count: torch.Tensor  # [B] recorded so far
     fitted: torch.Tensor  # [B] bool
-    alpha: torch.Tensor  # [B, H]
+    alpha: torch.Tensor  # [B, H] exp(log_alpha) for reports; inf or 0 where it leaves float32's range
     beta: torch.Tensor  # [B, H]
     r2: torch.Tensor  # [B, H] in-sample R^2 of the warmup fit
     log_alpha: torch.Tensor  # [B, H] log alpha of fitted rows, -inf elsewhere (so the decode threshold is 0)
@@ -82,12 +82,11 @@ class Sift(Method):
         points = torch.arange(self.warmup, device=state.count.device)[None, :] < state.count[:, None]
         fit = fit_power_law(state.theta_steps[:, None, :], state.thetas, points[:, None, :])
         pick = which[:, None]
+        state.log_alpha.copy_(torch.where(pick, fit.log_alpha.float(), state.log_alpha))
         state.alpha.copy_(torch.where(pick, fit.alpha.float(), state.alpha))
         state.beta.copy_(torch.where(pick, fit.beta.float(), state.beta))
         state.r2.copy_(torch.where(pick, fit.r2.float(), state.r2))
         state.fitted |= which
-        # As powerlaw.predict computes it, once: eta = exp(log alpha - beta log S).
-        state.log_alpha.copy_(torch.where(state.fitted[:, None], state.alpha.clamp(min=torch.finfo(torch.float32).tiny).log(), float("-inf")))
 
     def select(self, rows: Rows, state: SiftState) -> Selection:
         # Index of each step row within its sequence's steps: warmup rows come first.
@@ -100,7 +99,7 @@ class Sift(Method):
         approx = rows.is_step & ~warm & state.fitted[:, None]
         if not bool(approx.any()):
             return Selection(keep=None, approx=approx)
-        eta = predict(state.alpha[:, :, None], state.beta[:, :, None], rows.steps[:, None, :].float())  # [B, H, R]
+        eta = predict_log(state.log_alpha[:, :, None], state.beta[:, :, None], rows.steps[:, None, :].float())  # [B, H, R]
         keep = keep_row_max(rows.probs, rows.probs > eta.unsqueeze(-1), rows.valid)
         keep = torch.where(approx[:, None, :, None], keep, rows.valid)
         return Selection(keep=keep, approx=approx)
