@@ -53,6 +53,24 @@ def test_ifeval_checker_verdicts(instruction, kwargs, good, bad):
     assert follows["prompt_level_loose_acc"] is True
 
 
+def test_ifeval_verdict_with_a_drawn_letter_repeats_and_leaves_global_random_alone():
+    import random
+
+    # "#" is not a letter, so the official checker draws a random one: the verdict must not
+    # depend on the global random state, and scoring must not change that state.
+    task = get_task("ifeval")
+    sample = _ifeval_sample("keywords:letter_frequency", {"let_relation": "at least", "letter": "#", "let_frequency": 4})
+    response = "".join(chr(c) * (i % 7) for i, c in enumerate(range(97, 123)))  # 'a' to 'z', 0-6 times each
+    verdicts = set()
+    for seed in range(20):
+        random.seed(seed)
+        before = random.getstate()
+        verdicts.add(task.score(sample, response)["inst_level_strict_acc"][0])
+        assert random.getstate() == before
+    assert len(verdicts) == 1
+    assert task.info()["random_seed"] == 0
+
+
 def test_ifeval_loose_accepts_what_strict_rejects_and_aggregates_instruction_level():
     task = get_task("ifeval")
     two = Sample("2", ({"role": "user", "content": "p"},), "p",

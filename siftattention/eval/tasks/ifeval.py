@@ -20,6 +20,7 @@ import contextlib
 import functools
 import io
 import logging
+import random
 import types
 from pathlib import Path
 from typing import Any, Sequence
@@ -127,7 +128,14 @@ class IFEval(Task):
     def score(self, sample: Sample, response: str) -> dict[str, Any]:
         utils, _ = checker()
         doc = {**sample.target, "prompt": sample.plain}
-        result = utils.process_results(doc, [response])
+        # Some instructions draw a random letter where the prompt's is not one (letter_frequency
+        # with "#" or "!"): seed it per call, so a verdict repeats and every method faces the same draw.
+        saved = random.getstate()
+        random.seed(0)
+        try:
+            result = utils.process_results(doc, [response])
+        finally:
+            random.setstate(saved)
         return {
             "prompt_level_strict_acc": bool(result["prompt_level_strict_acc"]),
             "inst_level_strict_acc": [bool(x) for x in result["inst_level_strict_acc"]],
@@ -154,4 +162,4 @@ class IFEval(Task):
         except ImportError:
             return {"checker": "lm-eval not installed: not scored"}
         return {"checker": f"lm_eval {version('lm_eval')} tasks/ifeval (official IFEval code)", "sentence_splitter": splitter,
-                "langdetect_seed": 0}
+                "langdetect_seed": 0, "random_seed": 0}
