@@ -197,7 +197,7 @@ def v_rows_read(calls) -> dict:
         scores = torch.einsum("bgrd,bgkd->bgrk", q.float().view(B, Hkv, Hq // Hkv, D), k.float()) * kern.scale
         valid = torch.arange(L, device=q.device)[None, :] < keys.seq_lens[:, None]  # prompts start at 0 here
         probs = scores.masked_fill(~valid[:, None, None, :], float("-inf")).softmax(-1)
-        eta = torch.exp(state.log_alpha - state.beta * keys.log_steps()[:, None]).view(B, Hkv, Hq // Hkv, 1)
+        eta = Sift.decode_threshold(state, keys).view(B, Hkv, Hq // Hkv, 1)
         keep = (probs > eta) | (probs == probs.amax(-1, keepdim=True))
         kept += float(keep.sum())
         rows += float(keep.any(2).sum())
@@ -235,7 +235,6 @@ def attention_share(model, ids, tau: float, warmup: int) -> dict:
             for step in range(warmup + 2):
                 loop.decode(step)
             calls = [seen[i] for i in sorted(seen)]
-            from siftattention.methods.base import KeyRange
 
             def dense():
                 for q, k, v, keys, state, phase, kern in calls:
@@ -243,7 +242,7 @@ def attention_share(model, ids, tau: float, warmup: int) -> dict:
 
             def sparse():
                 for q, k, v, keys, state, phase, kern in calls:
-                    eta = torch.exp(state.log_alpha - state.beta * keys.log_steps()[:, None])
+                    eta = Sift.decode_threshold(state, keys)
                     kern.sparse(q, k, v, eta, keys.seq_lens, keys.starts)
 
             from dataclasses import replace
@@ -261,12 +260,12 @@ def attention_share(model, ids, tau: float, warmup: int) -> dict:
 
             def sparse_per_layer():
                 for (q, k, v, keys, state, phase, kern), plan in zip(calls, per_layer):
-                    eta = torch.exp(state.log_alpha - state.beta * keys.log_steps()[:, None])
+                    eta = Sift.decode_threshold(state, keys)
                     plan.sparse(q, k, v, eta, keys.seq_lens, keys.starts)
 
             def sparse_no_pdl():
                 for q, k, v, keys, state, phase, kern in calls:
-                    eta = torch.exp(state.log_alpha - state.beta * keys.log_steps()[:, None])
+                    eta = Sift.decode_threshold(state, keys)
                     no_pdl.sparse(q, k, v, eta, keys.seq_lens, keys.starts)
 
             def whole():
@@ -348,6 +347,8 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="torch.compile the decode step's model code (both fast paths)")
     ap.add_argument("--out", type=Path, default=Path("bench_generate.json"))
     args = ap.parse_args()
+    if not 0 <= args.head_corr <= 1:
+        ap.error(f"--head-corr must lie in [0, 1], got {args.head_corr}")
 
     report: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "args": vars(args) | {"out": str(args.out)}}
     import transformers
@@ -357,8 +358,6 @@ def main() -> None:
         report["check"] = check()
         print("check:", json.dumps(report["check"]), flush=True)
     report["copy_bw_tb_s"] = copy_bandwidth() / 1e12
-    if not 0 <= args.head_corr <= 1:
-        ap.error(f"--head-corr must lie in [0, 1], got {args.head_corr}")
     model = build(attention_bias=args.plant_std > 0)
     if args.plant_std > 0:
         plant_attention(model, args.plant_std, args.head_corr)

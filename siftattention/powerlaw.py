@@ -71,6 +71,10 @@ class PowerLawFit:
         """``exp(log_alpha)`` (inf or 0 where it leaves the dtype's range)."""
         return self.log_alpha.exp()
 
+    def r_squared(self, steps: torch.Tensor, thetas: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+        """R^2 of this fit over the given points (out of sample when they are not the fitted ones)."""
+        return _r_squared_log(steps, thetas, self.log_alpha, self.beta, valid)
+
     def predict(self, steps: torch.Tensor | float) -> torch.Tensor:
         """Thresholds at ``steps`` ([..., n] against fits of shape [...])."""
         steps = torch.as_tensor(steps, dtype=self.log_alpha.dtype, device=self.log_alpha.device)

@@ -53,9 +53,7 @@ class _KeepAllSift(Sift):
 
     def _fit(self, state, which):
         super()._fit(state, which)
-        state.alpha[which] = 0.0
-        if hasattr(state, "log_alpha"):  # the decode step's threshold is exp(log_alpha - beta log S)
-            state.log_alpha[which] = float("-inf")
+        state.log_alpha[which] = float("-inf")  # alpha = 0: the threshold is 0
 
 
 def _left_padded_batch(seed: int = 3):

@@ -81,8 +81,7 @@ class _KeepAllSift(Sift):
 
     def _fit(self, state, which):
         super()._fit(state, which)
-        state.alpha.zero_()
-        state.log_alpha.fill_(float("-inf"))  # log 0: what the decode step reads
+        state.log_alpha.fill_(float("-inf"))  # alpha = 0: the threshold is 0
 
 
 def test_sift_that_keeps_everything_generates_full_tokens():

@@ -13,8 +13,7 @@ class _KeepAllSift(Sift):
 
     def _fit(self, state, which):
         super()._fit(state, which)
-        state.alpha[which] = 0.0
-        state.log_alpha[which] = float("-inf")  # what the threshold is computed from
+        state.log_alpha[which] = float("-inf")  # alpha = 0: the threshold is 0
 
 
 def _logits(model, ids, **kwargs):

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from ..methods.base import Method, Rows, Selection
-from ..powerlaw import fit_power_law, r_squared
+from ..powerlaw import fit_power_law
 
 #: Percentiles reported for every R^2 distribution (the paper's box plots: 5/25/50/75/95).
 PERCENTILES = {"p5": 5.0, "p25": 25.0, "median": 50.0, "p75": 75.0, "p95": 95.0}
@@ -311,7 +311,7 @@ def fit_series(steps: np.ndarray, thetas: np.ndarray, warmups: Sequence[int]) ->
         fit = fit_power_law(s[:w], th[..., :w])
         wa.append(fit.alpha)
         wb.append(fit.beta)
-        wr.append(r_squared(s, th, fit.alpha, fit.beta))  # out of sample: over every step
+        wr.append(fit.r_squared(s, th))  # out of sample: over every step
     stack = lambda xs: torch.stack(xs).numpy() if xs else np.zeros((0,) + tuple(th.shape[:-1]))  # noqa: E731
     return SeriesFits(full.alpha.numpy(), full.beta.numpy(), full.r2.numpy(), stack(wa), stack(wb), stack(wr))
 

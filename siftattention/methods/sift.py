@@ -25,10 +25,14 @@ class SiftState:
     theta_steps: torch.Tensor  # [B, w] the step S of each recorded quantile
     count: torch.Tensor  # [B] recorded so far
     fitted: torch.Tensor  # [B] bool
-    alpha: torch.Tensor  # [B, H] exp(log_alpha) for reports; inf or 0 where it leaves float32's range
     beta: torch.Tensor  # [B, H]
     r2: torch.Tensor  # [B, H] in-sample R^2 of the warmup fit
     log_alpha: torch.Tensor  # [B, H] log alpha of fitted rows, -inf elsewhere (so the decode threshold is 0)
+
+    @property
+    def alpha(self) -> torch.Tensor:
+        """[B, H] exp(log_alpha) of fitted rows (inf or 0 where it leaves float32's range), 1 elsewhere."""
+        return torch.where(self.fitted[:, None], self.log_alpha.exp(), torch.ones_like(self.log_alpha))
 
 
 @dataclass
@@ -55,7 +59,6 @@ class Sift(Method):
             theta_steps=torch.ones(batch, self.warmup, **f32),
             count=torch.zeros(batch, dtype=torch.long, device=device),
             fitted=torch.zeros(batch, dtype=torch.bool, device=device),
-            alpha=torch.ones(batch, heads, **f32),
             beta=torch.zeros(batch, heads, **f32),
             r2=torch.zeros(batch, heads, **f32),
             log_alpha=torch.full((batch, heads), float("-inf"), **f32),
@@ -83,7 +86,6 @@ class Sift(Method):
         fit = fit_power_law(state.theta_steps[:, None, :], state.thetas, points[:, None, :])
         pick = which[:, None]
         state.log_alpha.copy_(torch.where(pick, fit.log_alpha.float(), state.log_alpha))
-        state.alpha.copy_(torch.where(pick, fit.alpha.float(), state.alpha))
         state.beta.copy_(torch.where(pick, fit.beta.float(), state.beta))
         state.r2.copy_(torch.where(pick, fit.r2.float(), state.r2))
         state.fitted |= which
@@ -121,11 +123,17 @@ class Sift(Method):
             if phase == "fit":
                 self._fit(state, state.count >= self.warmup)
             return DecodeOutput(out, None, False)
-        # powerlaw.predict's arithmetic; a row without a fit (a one-token prompt with
-        # warmup_source='prefill') has log alpha = -inf, so eta = 0 and it keeps every key.
-        eta = torch.exp(state.log_alpha - state.beta * keys.log_steps()[:, None])  # [B, Hq]
-        out, kept = kernels.sparse(query, k_cache, v_cache, eta, keys.seq_lens, keys.starts)
+        out, kept = kernels.sparse(query, k_cache, v_cache, self.decode_threshold(state, keys), keys.seq_lens, keys.starts)
         return DecodeOutput(out, kept, state.fitted)
+
+    @staticmethod
+    def decode_threshold(state: SiftState, keys: KeyRange) -> torch.Tensor:
+        """eta [B, H] of one decode step: powerlaw.predict_log's arithmetic in float32.
+
+        A row without a fit (a one-token prompt with warmup_source='prefill') has
+        log alpha = -inf, so eta = 0 and it keeps every key.
+        """
+        return torch.exp(state.log_alpha - state.beta * keys.log_steps()[:, None])
 
     def observes_prefill(self) -> bool:
         return self.warmup_source == "prefill"
