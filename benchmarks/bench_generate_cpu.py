@@ -8,10 +8,12 @@ real text (WikiText-2 from the package data). Per prompt length:
 - ``sdpa``: transformers' ``generate`` with its own SDPA attention (no method applied);
 - ``apply_full``: the same ``generate`` with ``apply(model, Full())``;
 - ``fast_full`` / ``fast_sift``: ``siftattention.generate`` (fixed cache, eager on the CPU)
-  with ``Full()`` and ``Sift(tau, warmup)``, post-warmup steps timed apart;
-- ``attention``: one layer's decode attention alone at that length, dense
-  (``DecodeKernels.dense``) against Sift's sparse step (``DecodeKernels.sparse``), and
-  its share of a dense decode step.
+  with ``Full()`` and ``Sift(tau, warmup)`` through the fused C++ kernel (backend "cpu",
+  the default on the CPU), post-warmup steps timed apart; ``fast_full_sdpa``: the same
+  loop with ``Full()`` through torch's SDPA (backend "torch"), the other dense option;
+- ``attention``: one layer's decode attention alone at a length (random K/V of the
+  model's shape, thresholds at each head's tau-quantile): torch SDPA, the fused kernel
+  dense and sparse, and the torch sparse step, timed interleaved.
 
 Prefill is timed as ``generate(max_new_tokens=1)``; decode as the rest of a longer call.
 Times are medians of ``--repeats`` runs (the 2-core machine is noisy); ``sdpa`` and
@@ -64,9 +66,10 @@ def hf_pair(model, ids, new: int, repeats: int) -> tuple[dict, dict]:
     return out[0], out[1]
 
 
-def fast_times(model, ids, method, new: int, repeats: int) -> dict:
-    runs = [generate(model, ids, None, method, max_new_tokens=new, eos_token_id=-1) for _ in range(repeats)]
+def fast_times(model, ids, method, new: int, repeats: int, backend: str = "auto") -> dict:
+    runs = [generate(model, ids, None, method, max_new_tokens=new, eos_token_id=-1, decode_backend=backend) for _ in range(repeats)]
     out = {
+        "backend": backend,
         "prefill_s": statistics.median(r.timings["prefill_s"] for r in runs),
         "decode_ms": statistics.median(r.timings["decode_s"] / r.timings["decode_steps"] for r in runs) * 1e3,
     }
@@ -77,25 +80,40 @@ def fast_times(model, ids, method, new: int, repeats: int) -> dict:
     return out
 
 
-def attention_times(model, batch: int, length: int, tau_eta: float, repeats: int) -> dict:
-    """One layer's decode attention at ``length`` keys: dense against the sparse step (random K/V, real shapes)."""
+def attention_times(model, batch: int, length: int, tau: float, repeats: int) -> dict:
+    """One layer's decode attention at ``length`` keys (random K/V, the model's shape), interleaved.
+
+    Thresholds sit at each head's ``tau``-quantile, so the sparse steps keep 1 - tau of
+    every head's keys (the heads of a group independently).
+    """
     from siftattention.kernels import DecodeKernels
 
     cfg = model.config
     hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
     torch.manual_seed(0)
-    q = torch.randn(batch, hq, d)
+    q = torch.randn(batch, hq, d) * 2  # peaked enough that a few keys carry most of the mass
     k = torch.randn(batch, hkv, length, d)
     v = torch.randn(batch, hkv, length, d)
     lens = torch.full((batch,), length, dtype=torch.int32)
-    plan = DecodeKernels.plan(batch=batch, q_heads=hq, kv_heads=hkv, max_len=length, head_dim=d, dtype=torch.float32,
-                              device=torch.device("cpu"), scale=d**-0.5)
-    eta = torch.full((batch, hq), tau_eta / length)  # about the tau-quantile of flat attention: prunes most keys
-    n = 20
-    dense = median_time(lambda: [plan.dense(q, k, v, lens) for _ in range(n)], repeats) / n
-    sparse = median_time(lambda: [plan.sparse(q, k, v, eta, lens) for _ in range(n)], repeats) / n
-    kept = plan.sparse(q, k, v, eta, lens)[1].float().mean().item() / length
-    return {"dense_ms": dense * 1e3, "sparse_ms": sparse * 1e3, "sparsity": 1 - kept}
+    plans = {b: DecodeKernels.plan(batch=batch, q_heads=hq, kv_heads=hkv, max_len=length, head_dim=d, dtype=torch.float32,
+                                   device=torch.device("cpu"), scale=d**-0.5, backend=b) for b in ("torch", "cpu")}
+    _, theta = plans["torch"].warmup(q, k, v, tau, lens)
+    fns = {
+        "sdpa_ms": lambda: plans["torch"].dense(q, k, v, lens),
+        "cpu_dense_ms": lambda: plans["cpu"].dense(q, k, v, lens),
+        "cpu_sparse_ms": lambda: plans["cpu"].sparse(q, k, v, theta, lens),
+        "torch_sparse_ms": lambda: plans["torch"].sparse(q, k, v, theta, lens),
+    }
+    n = max(1, 4096 // length)
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(max(5, repeats * 5)):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            for _ in range(n):
+                fn()
+            times[name].append((time.perf_counter() - start) / n * 1e3)
+    kept = plans["cpu"].sparse(q, k, v, theta, lens)[1].float().mean().item() / length
+    return {name: statistics.median(t) for name, t in times.items()} | {"sparsity": 1 - kept}
 
 
 def main() -> None:
@@ -123,28 +141,30 @@ def main() -> None:
         row = {"prompt": prompt}
         row["sdpa"], row["apply_full"] = hf_pair(model, ids, args.new, args.repeats)
         row["fast_full"] = fast_times(model, ids, Full(), args.new, args.repeats)
+        row["fast_full_sdpa"] = fast_times(model, ids, Full(), args.new, args.repeats, backend="torch")
         row["fast_sift"] = fast_times(model, ids, Sift(tau=args.tau, warmup=args.warmup), args.new, args.repeats)
         print(json.dumps(row), flush=True)
         report["rows"].append(row)
     report["attention"] = []
     for length in args.attention_lengths:
-        a = attention_times(model, args.batch, length, 1.0, args.repeats) | {"length": length}
+        a = attention_times(model, args.batch, length, args.tau, args.repeats) | {"length": length}
         print(json.dumps(a), flush=True)
         report["attention"].append(a)
     args.out.write_text(json.dumps(report, indent=1))
 
     layers = model.config.num_hidden_layers
     print(f"\nCPU, {report['threads']} threads, SmolLM2-135M, batch {args.batch}, {args.new} new tokens (medians of {args.repeats})")
-    print("prompt | sdpa prefill s / decode ms | apply(Full) prefill / decode | ratio prefill / decode | fast Full ms | fast Sift ms (post-warmup) | Sift/Full")
+    print("prompt | sdpa prefill s / decode ms | apply(Full) prefill / decode | ratio prefill / decode | fast Full ms (SDPA) | fast Sift ms (post-warmup) | Sift/Full")
     for r in report["rows"]:
-        s, a, f, t = r["sdpa"], r["apply_full"], r["fast_full"], r["fast_sift"]
+        s, a, f, fs, t = r["sdpa"], r["apply_full"], r["fast_full"], r["fast_full_sdpa"], r["fast_sift"]
         print(f"{r['prompt']:6d} | {s['prefill_s']:.3f} / {s['decode_ms']:.1f} | {a['prefill_s']:.3f} / {a['decode_ms']:.1f} | "
-              f"{a['prefill_s'] / s['prefill_s']:.3f} / {a['decode_ms'] / s['decode_ms']:.3f} | {f['decode_ms']:.1f} | "
+              f"{a['prefill_s'] / s['prefill_s']:.3f} / {a['decode_ms'] / s['decode_ms']:.3f} | {f['decode_ms']:.1f} ({fs['decode_ms']:.1f}) | "
               f"{t['decode_ms']:.1f} ({t.get('sparse_ms', float('nan')):.1f}, s={t.get('realized_post_warmup', float('nan')):.3f}) | "
               f"{t.get('sparse_ms', float('nan')) / f['decode_ms']:.3f}")
-    print("keys | one layer dense ms | sparse ms | sparsity | attention x layers, dense (ms/step)")
+    print("keys | one layer: SDPA ms | fused dense | fused sparse | torch sparse | sparsity | SDPA x layers (ms/step)")
     for a in report["attention"]:
-        print(f"{a['length']:5d} | {a['dense_ms']:.3f} | {a['sparse_ms']:.3f} | {a['sparsity']:.3f} | {a['dense_ms'] * layers:.1f}")
+        print(f"{a['length']:5d} | {a['sdpa_ms']:.3f} | {a['cpu_dense_ms']:.3f} | {a['cpu_sparse_ms']:.3f} | {a['torch_sparse_ms']:.3f} | "
+              f"{a['sparsity']:.3f} | {a['sdpa_ms'] * layers:.1f}")
 
 
 if __name__ == "__main__":

@@ -145,8 +145,8 @@ class SiftHandle:
     """An applied method. Use as a context manager, or call ``remove()``."""
 
     def __init__(self, model: PreTrainedModel, method: Method, decode_backend: str | None = "auto") -> None:
-        if decode_backend not in (None, "auto", "torch", "triton"):
-            raise ValueError(f"decode_backend must be None, 'auto', 'torch' or 'triton', got {decode_backend!r}")
+        if decode_backend not in (None, "auto", "torch", "triton", "cpu"):
+            raise ValueError(f"decode_backend must be None, 'auto', 'torch', 'triton' or 'cpu', got {decode_backend!r}")
         self.model = model
         self.method = method
         self.decode_backend = decode_backend
@@ -369,8 +369,9 @@ def apply(model: PreTrainedModel, method: Method, *, decode_backend: str | None 
     """Run ``model``'s attention through ``method`` until the handle is removed.
 
     ``decode_backend`` picks how decode steps inside ``generate`` run: "auto" uses the
-    method's ``decode_step`` with the Triton kernels on CUDA and the torch kernels
-    elsewhere; "torch"/"triton" force that kernel backend; None always uses the
+    method's ``decode_step`` with the Triton kernels on CUDA, the fused C++ kernel for
+    float32 on the CPU (torch where it cannot be built) and the torch kernels elsewhere;
+    "torch"/"triton"/"cpu" force that kernel backend; None always uses the
     row-wise reference attention (``select``), an independent reference for tests.
 
     >>> with apply(model, Sift(tau=0.875, warmup=128)) as handle:

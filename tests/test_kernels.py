@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import zlib
@@ -425,11 +426,107 @@ def test_plan_torch_backend_matches_float64():
     check_plan_rows(plan_results("cpu", "torch", PLAN_CASES), 2 * len(PLAN_CASES))
 
 
+# ----------------------------------------------------------------------------- fused CPU kernel (backend="cpu")
+
+needs_cpu_kernel = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None, reason="no C++ compiler")
+
+# B, Hq, Hkv, S, D: GQA group sizes 1, 2, 4, 8; odd lengths, one long enough for many SIMD blocks
+CPU_CASES = [
+    (3, 4, 4, 37, 64, "float32"),
+    (3, 8, 4, 301, 128, "float32"),
+    (2, 8, 2, 53, 64, "float32"),
+    (2, 16, 2, 1031, 64, "float32"),
+    (1, 9, 3, 77, 64, "float32"),
+]
+
+
+@needs_cpu_kernel
+def test_plan_cpu_backend_matches_float64():
+    rows = plan_results("cpu", "cpu", CPU_CASES, seed_base=57)
+    assert {r["backend"] for r in rows} == {"cpu"}
+    check_plan_rows(rows, 2 * len(CPU_CASES))
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_cpu_backend_strided_cache_and_full_rows(renormalize):
+    """Caches laid out [B, S, Hkv, D] (a transposed view), no seq_lens, thresholds midway."""
+    gen = torch.Generator().manual_seed(seed("strided", renormalize))
+    B, Hq, Hkv, S, D = 2, 8, 2, 203, 64
+    q = torch.randn(B, Hq, D, generator=gen) * 2
+    k = torch.randn(B, S, Hkv, D, generator=gen).transpose(1, 2)
+    v = torch.randn(B, S, Hkv, D, generator=gen).transpose(1, 2)
+    eta = midway_eta(q, k, D**-0.5, None, "some", gen)
+    out, kept = sift_decode(q, k, v, eta, renormalize=renormalize, backend="cpu")
+    ref, ref_kept = ref_decode(q, k, v, eta, D**-0.5, None, renormalize)
+    assert rel(out, ref) < 1e-5 and torch.equal(kept, ref_kept)
+    assert (kept < S).all() and (kept >= 1).all()
+
+
+@needs_cpu_kernel
+def test_cpu_backend_eta_edges():
+    gen = torch.Generator().manual_seed(43)
+    q, k, v, sl, st = range_case(3, 8, 2, 131, 64, torch.float32, gen)
+    for e in (-1.0, 0.0, 1.0, 2.5):
+        eta = torch.full((3, 8), e)
+        out, kept = sift_decode(q, k, v, eta, seq_lens=sl, starts=st, backend="cpu")
+        ref, ref_kept, _, _ = ref_range(q, k, v, eta, 0.125, sl, st)
+        assert rel(out, ref) < 1e-5 and torch.equal(kept, ref_kept)
+    with pytest.raises(ValueError, match="NaN"):
+        sift_decode(q, k, v, float("nan"), backend="cpu")
+    for tau in (0.0, 0.3, 0.5, 1.0):
+        out, th = sift_warmup_decode(q, k, v, tau, seq_lens=sl, starts=st, backend="cpu")
+        _, _, ref_dense, ref_th = ref_range(q, k, v, torch.zeros(3, 8), 0.125, sl, st, tau=tau)
+        assert rel(out, ref_dense) < 1e-5 and torch.allclose(th.double(), ref_th, rtol=1e-5, atol=0)
+
+
+@needs_cpu_kernel
+def test_cpu_backend_quantile_threshold_drops_the_quantile_key():
+    """theta from the warmup step, used as eta, filters the same probabilities: at tau * (n - 1)
+    integral, theta is a key's own probability and that key is dropped, as ``p > theta`` says."""
+    gen = torch.Generator().manual_seed(44)
+    B, Hq, Hkv, S, D = 2, 8, 2, 101, 64  # n - 1 = 100: tau = 0.5 and 0.9 fall on order statistics
+    q = torch.randn(B, Hq, D, generator=gen) * 2
+    k, v = torch.randn(B, Hkv, S, D, generator=gen), torch.randn(B, Hkv, S, D, generator=gen)
+    for tau in (0.5, 0.9):
+        _, theta = sift_warmup_decode(q, k, v, tau, backend="cpu")
+        _, kept = sift_decode(q, k, v, theta, backend="cpu")
+        assert torch.equal(kept, torch.full((B, Hq), S - 1 - round(tau * (S - 1)), dtype=torch.int32))
+
+
+def test_cpu_kernel_unavailable_falls_back(monkeypatch):
+    """No compiler: one warning says why and auto plans the torch backend; switched off: torch, silently."""
+    import warnings
+
+    from siftattention.kernels import DecodeKernels, cpu_decode
+
+    ok = dict(batch=2, q_heads=8, kv_heads=2, max_len=16, head_dim=64, dtype=torch.float32, device="cpu", scale=0.125)
+    monkeypatch.setattr(cpu_decode, "_module", None)
+    monkeypatch.setattr(cpu_decode, "_problem", None)
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    with pytest.warns(UserWarning, match="no C.. compiler found; the torch backend runs instead"):
+        assert DecodeKernels.plan(**ok).backend == "torch"
+    with pytest.raises(ValueError, match="cannot run here: no C.. compiler"):
+        DecodeKernels.plan(**ok, backend="cpu")
+
+    monkeypatch.setattr(cpu_decode, "_problem", None)
+    monkeypatch.setenv("SIFTATTENTION_CPU_KERNEL", "0")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert DecodeKernels.plan(**ok).backend == "torch"
+
+
 def test_plan_argument_checks():
     from siftattention.kernels import DecodeKernels
 
     ok = dict(batch=2, q_heads=8, kv_heads=2, max_len=16, head_dim=64, dtype=torch.float32, device="cpu", scale=0.125)
-    assert DecodeKernels.plan(**ok).backend == "torch"  # auto on CPU
+    from siftattention.kernels import cpu_decode
+
+    # auto on the CPU: the fused C++ kernel for float32 where it builds, torch otherwise
+    assert DecodeKernels.plan(**ok).backend == ("cpu" if cpu_decode.available() else "torch")
+    assert DecodeKernels.plan(**{**ok, "dtype": torch.bfloat16}).backend == "torch"
+    with pytest.raises(ValueError, match="float32"):
+        DecodeKernels.plan(**{**ok, "dtype": torch.float16}, backend="cpu")
     for bad, match in ((dict(kv_heads=3), "multiple"), (dict(batch=0), "batch"), (dict(dtype=torch.float64), "dtype"),
                        (dict(scale=float("nan")), "scale"), (dict(backend="cuda"), "unknown backend")):
         with pytest.raises(ValueError, match=match):

@@ -41,7 +41,7 @@ def logit_threshold(eta: torch.Tensor | float, row_max: torch.Tensor, sum_exp: t
 
 
 def _resolve_backend(backend: str, q: torch.Tensor) -> str:
-    return resolve_backend(backend, q.device)
+    return resolve_backend(backend, q.device, q.dtype)
 
 
 def _check_common(
@@ -151,8 +151,9 @@ def sift_decode(
         starts: [B] first valid key (left padding, sliding windows); None means 0.
             Values must satisfy 0 <= start < seq_len <= S_max (not checked: no sync).
         renormalize: divide by the kept probability mass instead of the full softmax sum.
-        backend: "torch" (any device, fp32), "triton" (fused kernel), "auto" (Triton
-            on CUDA tensors, torch otherwise).
+        backend: "torch" (any device, fp32), "triton" (fused kernel), "cpu" (fused C++
+            kernel, float32 CPU tensors), "auto" (Triton on CUDA tensors, "cpu" for float32
+            CPU tensors where it builds, torch otherwise).
 
     Returns:
         out [B, Hq, D] in q's dtype, kept [B, Hq] int32 (keys kept per head).
@@ -167,6 +168,10 @@ def sift_decode(
     which = _resolve_backend(backend, q)
     if which == "torch":
         return sift_decode_torch(q, k_cache, v_cache, eta_t, scale_f, seq_lens, renormalize, starts)
+    if which == "cpu":
+        from .cpu_decode import sift_decode_cpu
+
+        return sift_decode_cpu(q, k_cache, v_cache, eta_t, scale_f, seq_lens, renormalize, starts)
     from .triton_decode import sift_decode_triton
 
     return sift_decode_triton(q, k_cache, v_cache, eta_t, scale_f, seq_lens, renormalize, starts=starts)
@@ -199,6 +204,10 @@ def sift_warmup_decode(
         raise ValueError(f"tau must lie in [0, 1], got {tau}")
     tau_t = _per_head(tau, "tau", q, torch.float64)
     which = _resolve_backend(backend, q)
+    if which == "cpu":
+        from .cpu_decode import warmup_decode_cpu
+
+        return warmup_decode_cpu(q, k_cache, v_cache, tau_t, scale_f, seq_lens, starts)
     if which == "torch":
         return sift_warmup_decode_torch(q, k_cache, v_cache, tau_t, scale_f, seq_lens, starts)
     from .triton_decode import sift_warmup_decode_triton

@@ -30,7 +30,7 @@ import torch
 from .torch_ref import dense_decode_torch, sift_decode_torch, sift_warmup_decode_torch
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "triton", "cpu")
 
 
 def triton_available() -> bool:
@@ -45,17 +45,31 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def resolve_backend(backend: str, device: torch.device) -> str:
-    """"auto" -> "triton" on CUDA (when Triton imports), "torch" elsewhere; forced names checked."""
+def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype | None = None) -> str:
+    """"auto" -> "triton" on CUDA (when Triton imports), "cpu" (the fused C++ kernel) for
+    float32 on the CPU where it builds, "torch" elsewhere; forced names checked."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
     if backend == "auto":
-        return "triton" if device.type == "cuda" and triton_available() else "torch"
+        if device.type == "cuda":
+            return "triton" if triton_available() else "torch"
+        if device.type == "cpu" and dtype in (None, torch.float32):
+            from . import cpu_decode
+
+            return "cpu" if cpu_decode.available() else "torch"
+        return "torch"
     if backend == "triton":
         if not triton_available():
             raise ValueError("backend='triton' needs the triton package")
         if device.type != "cuda" and not interpreting():
             raise ValueError("backend='triton' needs a CUDA device (or TRITON_INTERPRET=1 on CPU)")
+    if backend == "cpu":
+        from . import cpu_decode
+
+        if device.type != "cpu" or dtype not in (None, torch.float32):
+            raise ValueError(f"backend='cpu' runs float32 tensors on the CPU, got {dtype} on {device.type}")
+        if not cpu_decode.available():
+            raise ValueError(f"backend='cpu' cannot run here: {cpu_decode.build_problem()}")
     return backend
 
 
@@ -84,6 +98,10 @@ class DecodeKernels:
             self.config = config or td.config_for(device)
             self.geometry = td.geometry(batch, q_heads, kv_heads, max_len, head_dim, dtype, device, self.config)
             self.workspace = td.Workspace(self.geometry, device)
+        if backend == "cpu":
+            from . import cpu_decode
+
+            self._cpu = cpu_decode
 
     @classmethod
     def plan(
@@ -103,8 +121,8 @@ class DecodeKernels:
     ) -> "DecodeKernels":
         """Check the shape, pick the backend and allocate the scratch for it.
 
-        ``backend``: "auto" (Triton on CUDA, torch elsewhere), "torch", or "triton" (on
-        CPU only under TRITON_INTERPRET=1). ``config``: a Triton ``KernelConfig``
+        ``backend``: "auto" (Triton on CUDA, the fused C++ kernel for float32 on the CPU,
+        torch elsewhere), "torch", "cpu", or "triton" (on CPU only under TRITON_INTERPRET=1). ``config``: a Triton ``KernelConfig``
         (default: the tuned one for the device).
         """
         for name, v in (("batch", batch), ("q_heads", q_heads), ("kv_heads", kv_heads), ("max_len", max_len),
@@ -120,7 +138,7 @@ class DecodeKernels:
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        which = resolve_backend(backend, device)
+        which = resolve_backend(backend, device, dtype)
         return cls(which, batch, q_heads, kv_heads, max_len, head_dim, dtype, device, float(scale),
                    bool(renormalize), config)
 
@@ -130,6 +148,8 @@ class DecodeKernels:
         if self.backend == "triton":
             return self._td.sparse(self.geometry, self.workspace, q, k_cache, v_cache, eta, self.scale, seq_lens,
                                    starts, self.renormalize, self.config)
+        if self.backend == "cpu":
+            return self._cpu.sift_decode_cpu(q, k_cache, v_cache, eta, self.scale, seq_lens, self.renormalize, starts)
         return sift_decode_torch(q, k_cache, v_cache, eta, self.scale, seq_lens, self.renormalize, starts)
 
     def dense(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
@@ -138,6 +158,8 @@ class DecodeKernels:
         if self.backend == "triton":
             return self._td.dense(self.geometry, self.workspace, q, k_cache, v_cache, self.scale, seq_lens, starts,
                                   self.config)
+        if self.backend == "cpu":
+            return self._cpu.dense_decode_cpu(q, k_cache, v_cache, self.scale, seq_lens, starts)
         return dense_decode_torch(q, k_cache, v_cache, self.scale, seq_lens, starts)
 
     def warmup(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tau: torch.Tensor | float,
@@ -145,7 +167,8 @@ class DecodeKernels:
         """Exact output and theta [B, Hq] float32, the tau-quantile of each head's probabilities.
 
         ``tau``: a float or a [B, Hq] tensor; the quantile is torch.quantile's linear
-        rule at position ``tau * (n - 1)`` ascending, ``n = seq_len - start``.
+        rule at position ``tau * (n - 1)`` ascending, ``n = seq_len - start``. The
+        "cpu" backend selects the order statistics in linear time (no sort).
         """
         if isinstance(tau, torch.Tensor):
             tau_t = tau.to(torch.float64).contiguous()
@@ -154,6 +177,8 @@ class DecodeKernels:
         if self.backend == "triton":
             return self._td.warmup(self.geometry, self.workspace, q, k_cache, v_cache, tau_t, self.scale, seq_lens,
                                    starts, self.config)
+        if self.backend == "cpu":
+            return self._cpu.warmup_decode_cpu(q, k_cache, v_cache, tau_t, self.scale, seq_lens, starts)
         return sift_warmup_decode_torch(q, k_cache, v_cache, tau_t, self.scale, seq_lens, starts)
 
     def scratch_bytes(self) -> int:

@@ -1,0 +1,251 @@
+// Fused SiftAttention decode step for the CPU (float32).
+//
+// The scores of the valid key range come from one batched matrix product (BLAS reads
+// each key row once). Then one task per (batch row, KV head): each query head's softmax
+// maximum and normaliser (a vectorised exp), the threshold turned into kept weights,
+// and one pass over the value rows that some head of the group keeps, so value rows
+// no head keeps are never read. The torch backend instead runs separate passes over
+// [B, Hq, S] tensors and a dense product with every value row.
+//
+// Modes: SPARSE (Sift's step), DENSE (exact attention) and WARMUP (exact attention and
+// the tau-quantile of each head's probabilities). The probabilities are computed by one
+// code path whose results do not depend on memory alignment or threads, so a threshold
+// taken from WARMUP's quantile filters the very same numbers in SPARSE.
+//
+// Semantics (kernels/torch_ref.py): valid keys of row b are [starts[b], seq_lens[b]);
+// p = softmax over them; keep p > eta, every valid key where eta <= 0, and always the
+// first maximum; out = sum_kept p_i v_i (divided by the kept mass with renormalize).
+// The quantile is torch.quantile's linear rule at position tau * (n - 1), ascending.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+enum Mode : int64_t { SPARSE = 0, DENSE = 1, WARMUP = 2 };
+
+// exp(x) for x <= 0 (Cephes' expf polynomial, about 1 ulp), written branch-free on plain
+// floats so that the loops calling it vectorise; below -87.3 it returns 0.
+inline float exp_nonpos(float x) {
+  const float lo = -87.33654f;
+  const float xc = x < lo ? lo : x;
+  const float n = std::floor(xc * 1.44269504088896341f + 0.5f);
+  float r = xc - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float y = 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float pow2;
+  std::memcpy(&pow2, &bits, sizeof(pow2));
+  return x < lo ? 0.0f : y * pow2;
+}
+
+// The maximum does not depend on the order, so OpenMP SIMD may reorder it.
+inline float row_max(const float* x, int64_t n) {
+  float m = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : m)
+  for (int64_t j = 0; j < n; ++j) m = x[j] > m ? x[j] : m;
+  return m;
+}
+
+// y[j] = exp(scale * x[j] - m); returns their sum in a fixed association (16 lanes,
+// then a fixed tree), so the same values always give the same bits.
+inline float exp_shift_sum(const float* x, float* y, int64_t n, float scale, float m) {
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) y[j] = exp_nonpos(scale * x[j] - m);
+  float acc[16] = {0};
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    for (int i = 0; i < 16; ++i) acc[i] += y[j + i];
+  }
+  for (int w = 8; w >= 1; w /= 2) {
+    for (int i = 0; i < w; ++i) acc[i] += acc[i + w];
+  }
+  float z = acc[0];
+  for (; j < n; ++j) z += y[j];
+  return z;
+}
+
+inline int64_t first_scaled_equal(const float* x, int64_t n, float scale, float value) {
+  for (int64_t j = 0; j < n; ++j) {
+    if (scale * x[j] == value) return j;
+  }
+  return 0;
+}
+
+inline void axpy(float* __restrict y, float w, const float* __restrict x, int64_t n) {
+  for (int64_t d = 0; d < n; ++d) y[d] += w * x[d];
+}
+
+// tau-quantile of p[0..n) with linear interpolation (torch.quantile's rule); reorders tmp.
+float quantile(const float* p, float* tmp, int64_t n, double tau) {
+  std::copy(p, p + n, tmp);
+  const double pos = tau * static_cast<double>(n - 1);
+  const int64_t lo = std::max<int64_t>(0, static_cast<int64_t>(std::floor(pos)));
+  const int64_t hi = std::min<int64_t>(lo + 1, n - 1);
+  std::nth_element(tmp, tmp + lo, tmp + n);
+  const float a = tmp[lo];
+  const float b = hi > lo ? *std::min_element(tmp + lo + 1, tmp + n) : a;
+  const float w = static_cast<float>(pos - std::floor(pos));
+  // torch.lerp's two-sided formula
+  return w < 0.5f ? a + w * (b - a) : b - (b - a) * (1.0f - w);
+}
+
+}  // namespace
+
+// Returns {out [B, Hq, D] float32, kept [B, Hq] int32, theta [B, Hq] float32 (WARMUP; else empty)}.
+std::vector<torch::Tensor> decode_cpu(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor eta,
+                                      torch::Tensor tau, double scale, torch::Tensor seq_lens, torch::Tensor starts,
+                                      bool renormalize, int64_t mode) {
+  TORCH_CHECK(mode == SPARSE || mode == DENSE || mode == WARMUP, "unknown mode");
+  TORCH_CHECK(q.dtype() == torch::kFloat32 && k.dtype() == torch::kFloat32 && v.dtype() == torch::kFloat32,
+              "float32 tensors expected");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 4 && v.dim() == 4, "q [B, Hq, D] and caches [B, Hkv, S, D] expected");
+  TORCH_CHECK(q.is_contiguous() && v.stride(3) == 1, "q and the value rows must be contiguous");
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
+  const int64_t Hkv = k.size(1), S = k.size(2);
+  TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, "query heads must be a multiple of KV heads");
+  const int64_t G = Hq / Hkv;
+  for (const auto* idx : {&seq_lens, &starts}) {
+    TORCH_CHECK(idx->numel() == 0 || (idx->dtype() == torch::kInt32 && idx->numel() == B && idx->is_contiguous()),
+                "seq_lens and starts must be int32 [B]");
+  }
+  TORCH_CHECK(mode != SPARSE || (eta.dtype() == torch::kFloat32 && eta.numel() == B * Hq && eta.is_contiguous()),
+              "eta must be float32 [B, Hq]");
+  TORCH_CHECK(mode != WARMUP || (tau.dtype() == torch::kFloat64 && tau.numel() == B * Hq && tau.is_contiguous()),
+              "tau must be float64 [B, Hq]");
+  auto out = torch::zeros({B, Hq, D}, q.options());
+  auto kept = torch::zeros({B, Hq}, q.options().dtype(torch::kInt32));
+  auto theta = mode == WARMUP ? torch::zeros({B, Hq}, q.options()) : torch::empty({0}, q.options());
+
+  // Row ranges on the host (there is no device to synchronise with); the scores of the
+  // union range come from one batched matrix product.
+  const int32_t* lens = seq_lens.numel() ? seq_lens.data_ptr<int32_t>() : nullptr;
+  const int32_t* st = starts.numel() ? starts.data_ptr<int32_t>() : nullptr;
+  int64_t lo_all = S, hi_all = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    lo_all = std::min<int64_t>(lo_all, st ? st[b] : 0);
+    hi_all = std::max<int64_t>(hi_all, lens ? lens[b] : S);
+  }
+  if (hi_all <= lo_all) return {out, kept, theta};
+  const int64_t W = hi_all - lo_all;
+  auto scores = at::matmul(q.view({B, Hkv, G, D}), k.narrow(2, lo_all, W).transpose(-1, -2)).contiguous();
+
+  const float* sp = scores.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  const float* ep = mode == SPARSE ? eta.data_ptr<float>() : nullptr;
+  const double* tp = mode == WARMUP ? tau.data_ptr<double>() : nullptr;
+  float* op = out.data_ptr<float>();
+  int32_t* kp = kept.data_ptr<int32_t>();
+  float* thp = mode == WARMUP ? theta.data_ptr<float>() : nullptr;
+  const int64_t vs0 = v.stride(0), vs1 = v.stride(1), vs2 = v.stride(2);
+  const float sc = static_cast<float>(scale);
+
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> e;        // [G, L]: exp(s - max), then the kept weights (0 where dropped)
+    std::vector<float> tmp;      // [L]: a quantile's scratch
+    std::vector<uint8_t> rows;   // [L]: 1 where some head of the group keeps the key
+    std::vector<int64_t> list;   // [L]: the kept keys of the group, ascending
+    std::vector<float> inv_z(G), thr(G), max_scaled(G);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / Hkv, h = task % Hkv;
+      const int64_t lo = st ? st[b] : 0, hi = lens ? lens[b] : S;
+      const int64_t L = hi - lo;
+      if (L <= 0) continue;
+      e.resize(G * L);
+      if (static_cast<int64_t>(rows.size()) < L) {
+        rows.resize(L);
+        list.resize(L);
+      }
+      const int64_t head0 = b * Hq + h * G;
+      for (int64_t g = 0; g < G; ++g) {
+        const float* srow = sp + (task * G + g) * W + (lo - lo_all);  // unscaled scores
+        float* eg = e.data() + g * L;
+        // A positive scale keeps the order, so the scaled maximum is the scale times the raw one.
+        max_scaled[g] = sc * row_max(srow, L);
+        inv_z[g] = 1.f / exp_shift_sum(srow, eg, L, sc, max_scaled[g]);
+        if (mode == SPARSE) {
+          const float et = ep[head0 + g];
+          thr[g] = et <= 0.f ? -1.f : et;  // eta <= 0: every valid key; NaN: the maximum only (p > NaN is false)
+        } else {
+          thr[g] = -1.f;
+        }
+      }
+      // The kept weights and the keys some head keeps, branch-free, so that the pass over
+      // V below reads only the marked rows and never mispredicts.
+      std::fill(rows.begin(), rows.begin() + L, 0);
+      for (int64_t g = 0; g < G; ++g) {
+        float* eg = e.data() + g * L;
+        const float iz = inv_z[g];
+#pragma omp simd
+        for (int64_t j = 0; j < L; ++j) eg[j] *= iz;  // the probabilities
+        if (mode == WARMUP) {
+          tmp.resize(L);
+          thp[head0 + g] = quantile(eg, tmp.data(), L, tp[head0 + g]);
+        }
+        const float t = thr[g];
+        int32_t c = 0;
+        float mass = 0.f;
+#pragma omp simd reduction(+ : c, mass)
+        for (int64_t j = 0; j < L; ++j) {
+          const bool keep = eg[j] > t;
+          eg[j] = keep ? eg[j] : 0.f;
+          c += keep ? 1 : 0;
+          mass += eg[j];
+          rows[j] = rows[j] | static_cast<uint8_t>(keep);
+        }
+        // The maximum has e = exp(0) = 1, so p = 1 / z. Where the threshold drops it (or
+        // eta is NaN), keep the first maximum by index, as torch's argmax picks it.
+        if (!(iz > t)) {
+          const int64_t a = first_scaled_equal(sp + (task * G + g) * W + (lo - lo_all), L, sc, max_scaled[g]);
+          eg[a] = iz;
+          c += 1;
+          mass += iz;
+          rows[a] = 1;
+        }
+        kp[head0 + g] = c;
+        thr[g] = mass;  // reused: the kept mass, for renormalize
+      }
+      int64_t n = 0;
+      for (int64_t j = 0; j < L; ++j) {
+        list[n] = j;
+        n += rows[j];
+      }
+      const float* vb = vp + b * vs0 + h * vs1;
+      float* og = op + head0 * D;
+      for (int64_t i = 0; i < n; ++i) {
+        if (i + 4 < n) __builtin_prefetch(vb + (lo + list[i + 4]) * vs2);
+        const int64_t j = list[i];
+        const float* vrow = vb + (lo + j) * vs2;
+        for (int64_t g = 0; g < G; ++g) {
+          const float w = e[g * L + j];
+          if (w != 0.f) axpy(og + g * D, w, vrow, D);
+        }
+      }
+      if (renormalize && mode == SPARSE) {
+        for (int64_t g = 0; g < G; ++g) {
+          const float r = 1.f / thr[g];
+          for (int64_t d = 0; d < D; ++d) og[g * D + d] *= r;
+        }
+      }
+    }
+  });
+  return {out, kept, theta};
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode", &decode_cpu,
+        "Fused decode step on the CPU, float32: mode 0 Sift (threshold eta), 1 exact, 2 exact and tau-quantile");
+}

@@ -1,0 +1,128 @@
+"""The fused CPU decode kernel (backend="cpu"): built once from ``cpu/sift_decode.cpp``.
+
+On the CPU the torch backend's separate passes over ``[B, Hq, S]`` tensors, and its
+dense product with every value row, cost more than one fused pass; this C++ kernel
+takes the scores from one BLAS product, then does the softmax statistics, the
+threshold and the weighted sum over the value rows some head of the group keeps in
+one pass per (batch row, KV head). With every key kept it is exact attention, the
+dense step of the CPU fast path.
+
+The extension is compiled with the machine's C++ compiler the first time it is needed
+(about 30 s, a one-line notice) into ``$SIFTATTENTION_CACHE`` (default
+``~/.cache/siftattention``), under a name that hashes the source, the flags and the
+torch version, and loaded from there afterwards. Where it cannot be built (no
+compiler), one warning says why and the torch backend runs instead.
+``SIFTATTENTION_CPU_KERNEL=0`` switches it off. float32 only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import sys
+import warnings
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+SOURCE = Path(__file__).with_name("cpu") / "sift_decode.cpp"
+# -fno-trapping-math lets the exp and threshold loops vectorise (no NaN or rounding change);
+# -march=native: the cache directory is per machine.
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-trapping-math"]
+_EMPTY_INDEX = torch.empty(0, dtype=torch.int32)
+
+_module: ModuleType | None = None
+_problem: str | None = None
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("SIFTATTENTION_CACHE") or Path.home() / ".cache" / "siftattention"
+    return Path(root) / "cpu_kernel"
+
+
+def build_problem() -> str | None:
+    """Why the kernel cannot be used here (switched off, no compiler, failed build), or None."""
+    load()
+    return _problem
+
+
+def load() -> ModuleType | None:
+    """The compiled extension, building it on first use; None where it cannot be built."""
+    global _module, _problem
+    if _module is not None or _problem is not None:
+        return _module
+    if os.environ.get("SIFTATTENTION_CPU_KERNEL", "1") == "0":
+        _problem = "switched off by SIFTATTENTION_CPU_KERNEL=0"
+        return None
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        _problem = "no C++ compiler found"
+    else:
+        key = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode() + torch.__version__.encode()).hexdigest()[:12]
+        name = f"siftattention_cpu_{key}"
+        build_dir = _cache_dir() / name
+        build_dir.mkdir(parents=True, exist_ok=True)
+        if not any(build_dir.glob(f"{name}*.so")):
+            print("siftattention: building the fused CPU decode kernel (once, about 30 s)", file=sys.stderr, flush=True)
+        try:
+            from torch.utils.cpp_extension import load as load_extension
+
+            _module = load_extension(name=name, sources=[str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
+                                     build_directory=str(build_dir), verbose=False)
+        except Exception as exc:  # a compiler or linker failure: fall back, say why once
+            lines = str(exc).strip().splitlines() or [""]
+            _problem = f"the build failed ({type(exc).__name__}: {lines[-1][:200]})"
+    if _problem is not None:
+        warnings.warn(f"siftattention: the fused CPU decode kernel is not used: {_problem}; the torch backend runs instead",
+                      stacklevel=3)
+    return _module
+
+
+def available() -> bool:
+    return load() is not None
+
+
+def _index(x: torch.Tensor | None) -> torch.Tensor:
+    return _EMPTY_INDEX if x is None else x
+
+
+_SPARSE, _DENSE, _WARMUP = 0, 1, 2
+_NO_ETA = torch.empty(0, dtype=torch.float32)
+_NO_TAU = torch.empty(0, dtype=torch.float64)
+
+
+def _run(mode: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, eta: torch.Tensor, tau: torch.Tensor,
+         scale: float, seq_lens: torch.Tensor | None, starts: torch.Tensor | None, renormalize: bool) -> list[torch.Tensor]:
+    v_rows = v_cache if v_cache.stride(-1) == 1 else v_cache.contiguous()
+    return load().decode(q.contiguous(), k_cache, v_rows, eta, tau, float(scale), _index(seq_lens), _index(starts),
+                         bool(renormalize), mode)
+
+
+def sift_decode_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, eta: torch.Tensor, scale: float,
+                    seq_lens: torch.Tensor | None, renormalize: bool,
+                    starts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sift step: out [B, Hq, D] float32, kept [B, Hq] int32 (semantics of ``torch_ref.sift_decode_torch``).
+
+    ``seq_lens`` and ``starts``: int32 [B] tensors or None; ``eta``: float32 [B, Hq].
+    """
+    out, kept, _ = _run(_SPARSE, q, k_cache, v_cache, eta.float().contiguous(), _NO_TAU, scale, seq_lens, starts, renormalize)
+    return out, kept
+
+
+def dense_decode_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
+                     seq_lens: torch.Tensor | None, starts: torch.Tensor | None = None) -> torch.Tensor:
+    """Exact attention over the valid keys: out [B, Hq, D] float32."""
+    return _run(_DENSE, q, k_cache, v_cache, _NO_ETA, _NO_TAU, scale, seq_lens, starts, False)[0]
+
+
+def warmup_decode_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tau: torch.Tensor, scale: float,
+                      seq_lens: torch.Tensor | None, starts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact attention and theta [B, Hq] float32, each head's tau-quantile (``tau``: float64 [B, Hq]).
+
+    The probabilities are the ones ``sift_decode_cpu`` filters, bit for bit, so a threshold
+    equal to theta drops exactly the keys at or below it there.
+    """
+    out, _, theta = _run(_WARMUP, q, k_cache, v_cache, _NO_ETA, tau.to(torch.float64).contiguous(), scale, seq_lens,
+                         starts, False)
+    return out, theta
