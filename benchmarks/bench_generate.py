@@ -205,15 +205,14 @@ def v_rows_read(calls) -> dict:
     return {"kept_per_head": kept / (valid_total * calls[0][0].shape[1]), "v_rows_per_kv_head": rows / (valid_total * calls[0][1].shape[1])}
 
 
-def attention_share(model, ids, tau: float, warmup: int) -> dict:
-    """GPU time of the attention alone in one decode step (all layers, CUDA graphs), dense against Sift.
+def capture_decode_calls(model, ids, tau: float, warmup: int) -> tuple[Sift, list[tuple], object]:
+    """The attention calls of one post-warmup Sift decode step, one per layer, as the loop made them.
 
-    Replays the real queries and caches of a Sift generation after its warmup: 32 dense
-    kernel calls, 32 sparse kernel calls at the fitted thresholds, and 32 whole Sift
-    decode steps (thresholds, kernels, statistics), each captured as one graph.
+    Runs the fast loop eagerly (no graphs) to the second sparse step and returns the
+    method, its calls ``(query, k_cache, v_cache, keys, state, phase, kernels)`` (caches
+    and state are the loop's own tensors, the query a copy) and the handle, which the
+    caller removes (``handle.context = None; handle.remove()``) when done with them.
     """
-    import triton.testing
-
     from siftattention.generation.loop import _Loop, _Sampler
 
     method = Sift(tau=tau, warmup=warmup)
@@ -234,8 +233,27 @@ def attention_share(model, ids, tau: float, warmup: int) -> dict:
             loop.prefill(ids, torch.ones_like(ids), 8192)
             for step in range(warmup + 2):
                 loop.decode(step)
-            calls = [seen[i] for i in sorted(seen)]
+    except BaseException:
+        handle.context = None
+        handle.remove()
+        raise
+    method.decode_step = original
+    return method, [seen[i] for i in sorted(seen)], handle
 
+
+def attention_share(model, ids, tau: float, warmup: int) -> dict:
+    """GPU time of the attention alone in one decode step (all layers, CUDA graphs), dense against Sift.
+
+    Replays the real queries and caches of a Sift generation after its warmup: 32 dense
+    kernel calls, 32 sparse kernel calls at the fitted thresholds, and 32 whole Sift
+    decode steps (thresholds, kernels, statistics), each captured as one graph.
+    """
+    import triton.testing
+
+    method, calls, handle = capture_decode_calls(model, ids, tau, warmup)
+    original = method.decode_step
+    try:
+        with torch.inference_mode():
             def dense():
                 for q, k, v, keys, state, phase, kern in calls:
                     kern.dense(q, k, v, keys.seq_lens, keys.starts)

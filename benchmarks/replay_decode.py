@@ -1,0 +1,213 @@
+"""Why the sparse decode kernels run slower inside the generation loop than in bench_decode.py.
+
+Captures the attention calls of one post-warmup Sift step of the planted Llama-3.1-8B
+shape (``bench_generate.py``'s model, first ``--layers`` layers), then times the same
+sparse step on those inputs and on variants that each change one condition towards
+``bench_decode.py``'s synthetic case (the work of a step depends only on the kept set,
+so the thresholds themselves are not varied):
+
+- ``in_loop``: the captured query, the loop's fixed caches (allocated ``P + T`` keys,
+  ``seq_lens`` valid), the power-law thresholds, bf16;
+- ``trimmed``: keys and values copied to contiguous tensors of exactly the valid length;
+- ``fp16``: the captured inputs cast to float16 (bench_decode's default dtype);
+- ``synthetic``: ``bench_decode.make_inputs`` of the same shape at the same realized
+  sparsity (independent heads), bf16.
+
+Each variant reports GPU time per layer (CUDA graph, ``do_bench`` median), the device
+time of each kernel (torch.profiler over eager calls), the kept share per head and the
+share of V rows some head of the group keeps; ``dense`` (the dense kernel) and ``sdpa``
+run on the captured inputs as the yardsticks.
+
+    PYTHONPATH=. python3 benchmarks/replay_decode.py --setting 8x32768 --out $OUT/replay.json
+
+On a machine without CUDA it runs a small smoke version (tiny model, the CPU backend,
+host timers) so the script itself can be checked: ``--smoke``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_decode import make_inputs, thresholds  # noqa: E402
+from cpu_sparse_breakdown import timed  # noqa: E402
+from bench_generate import build, capture_decode_calls, free, plant_attention, set_q_scale  # noqa: E402
+
+from siftattention import Sift  # noqa: E402
+from siftattention.kernels import DecodeKernels  # noqa: E402
+
+
+def plan_like(q: torch.Tensor, k: torch.Tensor, scale: float, backend: str) -> DecodeKernels:
+    return DecodeKernels.plan(batch=q.shape[0], q_heads=q.shape[1], kv_heads=k.shape[1], max_len=k.shape[2], head_dim=q.shape[2],
+                              dtype=q.dtype, device=q.device, scale=scale, backend=backend)
+
+
+def shares(q, k, eta, seq_lens, scale: float) -> dict:
+    """Kept keys per head and V rows some head of the group keeps, as shares of the valid keys (float32 scores)."""
+    B, Hq, D = q.shape
+    Hkv, L = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    kept = rows = valid_total = 0.0
+    for b in range(B):  # one batch row at a time bounds the [Hq, L] float32 temporaries
+        n = int(seq_lens[b])
+        s = torch.matmul(q[b].float().view(Hkv, G, D), k[b, :, :n].float().transpose(-1, -2)) * scale
+        p = s.softmax(-1)
+        keep = (p > eta[b].view(Hkv, G, 1)) | (p == p.amax(-1, keepdim=True))
+        kept += float(keep.sum())
+        rows += float(keep.any(1).sum())
+        valid_total += n
+    return {"kept_per_head": kept / (valid_total * Hq), "v_rows": rows / (valid_total * Hkv)}
+
+
+def gpu_ms(fn) -> float:
+    import triton.testing
+
+    fn()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median")
+
+
+def host_ms(fn) -> float:
+    return timed(fn, 5)
+
+
+def kernel_us(fn, n: int = 10) -> dict:
+    """Device time per kernel name over ``n`` eager calls, per call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+    per: dict[str, float] = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            per[ev.name[:40]] = per.get(ev.name[:40], 0.0) + ev.device_time / n
+    return per
+
+
+def layer_variants(call, cuda: bool, gen: torch.Generator) -> dict:
+    """Every variant of one captured layer call (the captured plan's backend throughout)."""
+    q, k, v, keys, state, _phase, kern = call
+    scale, backend = kern.scale, kern.backend
+    seq_lens, starts = keys.seq_lens, keys.starts
+    eta = Sift.decode_threshold(state, keys)
+    n = int(seq_lens.max())
+    timer = gpu_ms if cuda else host_ms
+    out: dict = {"valid_len": n, "allocated_len": k.shape[2]}
+
+    def record(name: str, fn, q_, k_, eta_, lens) -> None:
+        out[name] = {"ms": timer(fn), **shares(q_, k_, eta_, lens, scale)}
+        if cuda:
+            out[name]["kernels_us"] = kernel_us(fn)
+
+    plan = plan_like(q, k, scale, backend)
+    record("in_loop", lambda: plan.sparse(q, k, v, eta, seq_lens, starts), q, k, eta, seq_lens)
+    realized = 1 - out["in_loop"]["kept_per_head"]
+
+    kt, vt = k[:, :, :n].contiguous(), v[:, :, :n].contiguous()
+    plan_t = plan_like(q, kt, scale, backend)
+    record("trimmed", lambda: plan_t.sparse(q, kt, vt, eta, seq_lens, starts), q, kt, eta, seq_lens)
+    del kt, vt
+
+    if cuda:  # float16 exists for the Triton kernels; the CPU kernels run float32
+        qh, kh, vh = q.half(), k.half(), v.half()
+        plan_h = plan_like(qh, kh, scale, backend)
+        record("fp16", lambda: plan_h.sparse(qh, kh, vh, eta, seq_lens, starts), qh, kh, eta, seq_lens)
+        del qh, kh, vh
+
+    B, Hq, D = q.shape
+    qs, ks, vs = make_inputs(B, Hq, k.shape[1], n, D, q.dtype, 2.0, 0.0, gen) if cuda else _cpu_inputs(B, Hq, k.shape[1], n, D, gen)
+    full = torch.full((B,), n, dtype=torch.int32, device=q.device)
+    (syn_eta, _, _), = thresholds(qs, ks, [realized])
+    plan_s = plan_like(qs, ks, scale, backend)
+    record("synthetic", lambda: plan_s.sparse(qs, ks, vs, syn_eta, full), qs, ks, syn_eta, full)
+
+    out["dense"] = {"ms": timer(lambda: plan.dense(q, k, v, seq_lens, starts))}
+    kd, vd = k[:, :, :n], v[:, :, :n]
+    out["sdpa"] = {"ms": timer(lambda: F.scaled_dot_product_attention(q[:, :, None], kd, vd, scale=scale, enable_gqa=True))}
+    if cuda:
+        out["dense"]["kernels_us"] = kernel_us(lambda: plan.dense(q, k, v, seq_lens, starts))
+    return out
+
+
+def _cpu_inputs(B, Hq, Hkv, S, D, gen):
+    G = Hq // Hkv
+    k = torch.randn(B, Hkv, S, D, generator=gen)
+    v = torch.randn(B, Hkv, S, D, generator=gen)
+    q = torch.randn(B, Hkv, G, D, generator=gen) * 2.0
+    return q.reshape(B, Hq, D), k, v
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--setting", default="8x32768", help="BATCHxPROMPT")
+    ap.add_argument("--layers", type=int, default=4, help="decoder layers of the 8B shape to build (each replayed)")
+    ap.add_argument("--tau", type=float, default=0.875)
+    ap.add_argument("--warmup", type=int, default=16)
+    ap.add_argument("--plant-std", type=float, default=2.0)
+    ap.add_argument("--head-corr", type=float, default=0.0)
+    ap.add_argument("--q-scale", type=float, default=0.1)
+    ap.add_argument("--smoke", action="store_true", help="tiny CPU version: checks the script, measures nothing useful")
+    ap.add_argument("--out", type=Path, default=Path("replay_decode.json"))
+    args = ap.parse_args()
+    cuda = torch.cuda.is_available() and not args.smoke
+    if not cuda and not args.smoke:
+        ap.error("needs a CUDA device (or --smoke)")
+    batch, prompt = (int(x) for x in args.setting.split("x"))
+    if cuda:
+        model = build(layers=args.layers, attention_bias=args.plant_std > 0)
+        device = "cuda"
+    else:
+        model = build(layers=2, dtype=torch.float32, device="cpu", attention_bias=True, hidden_size=256, intermediate_size=512,
+                      num_attention_heads=8, num_key_value_heads=2, vocab_size=512)
+        device, batch, prompt = "cpu", 2, 300
+    if args.plant_std > 0:
+        plant_attention(model, args.plant_std, args.head_corr)
+    set_q_scale(model, args.q_scale)
+    vocab = model.config.vocab_size
+    ids = torch.randint(3, vocab - 1, (batch, prompt), device=device)
+    method, calls, handle = capture_decode_calls(model, ids, args.tau, args.warmup)
+    gen = torch.Generator(device=device).manual_seed(5)
+    report: dict = {"device": torch.cuda.get_device_name() if cuda else "cpu (smoke)", "torch": torch.__version__,
+                    "date": time.strftime("%Y-%m-%d"), "args": vars(args) | {"out": str(args.out)}, "layers": []}
+    try:
+        with torch.inference_mode():
+            for i, call in enumerate(calls):
+                row = layer_variants(call, cuda, gen) | {"layer": i}
+                report["layers"].append(row)
+                print(json.dumps(row)[:600], flush=True)
+    finally:
+        handle.context = None
+        handle.remove()
+        free() if cuda else None
+    args.out.write_text(json.dumps(report, indent=1))
+
+    names = ["in_loop", "trimmed", "fp16", "synthetic"]
+    print(f"\n{report['device']}, {args.setting}, {len(calls)} layers, tau {args.tau}, warmup {args.warmup}: ms per layer "
+          "(kept per head / V rows); dense kernel and SDPA on the captured inputs")
+    print("layer | " + " | ".join(names) + " | dense | sdpa")
+    for r in report["layers"]:
+        cells = [f"{r[n]['ms']:.3f} ({r[n]['kept_per_head']:.3f}/{r[n]['v_rows']:.3f})" if n in r else "-" for n in names]
+        print(f"{r['layer']:5d} | " + " | ".join(cells) + f" | {r['dense']['ms']:.3f} | {r['sdpa']['ms']:.3f}")
+    if cuda:
+        print("kernel device time per call, us (in_loop / synthetic):")
+        for r in report["layers"]:
+            print(f"{r['layer']:5d} | {r['in_loop']['kernels_us']} / {r['synthetic']['kernels_us']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
