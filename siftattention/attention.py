@@ -96,17 +96,31 @@ def exact_attention(
     *,
     scaling: float,
     bias: torch.Tensor | None = None,
+    causal: bool = False,
 ) -> torch.Tensor:
     """Exact attention through torch's fused SDPA, for rows no method needs to see.
 
     Rows without any valid key (left padding) attend to every key instead of producing
-    NaN; their outputs are never attended to by real tokens.
+    NaN; their outputs are never attended to by real tokens. ``causal=True`` says that
+    ``valid`` is exactly the causal mask of a square block (checked by the caller): SDPA
+    then runs its causal kernel with no mask, which is faster than a masked one.
     """
+    gqa = query.shape[1] != key.shape[1]
+    if causal:
+        return torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=gqa)
     mask = valid | ~valid.any(dim=-1, keepdim=True)
     if bias is not None:
         mask = torch.where(mask, bias.to(query.dtype), torch.finfo(query.dtype).min)
-    gqa = query.shape[1] != key.shape[1]
     return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=gqa)
+
+
+def is_causal_block(valid: torch.Tensor) -> bool:
+    """Whether a [B, 1, Q, K] validity mask is exactly causal with Q == K (no padding, no window). One host sync."""
+    Q, K = valid.shape[-2:]
+    if Q != K:
+        return False
+    causal = torch.ones(Q, K, dtype=torch.bool, device=valid.device).tril()
+    return bool((valid == causal).all())
 
 
 def decode_probs(query: torch.Tensor, k_cache: torch.Tensor, keys: KeyRange, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -31,7 +31,7 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .attention import LayerRecord, exact_attention, method_attention, valid_keys
+from .attention import LayerRecord, exact_attention, is_causal_block, method_attention, valid_keys
 from .methods.base import KeyRange, Method
 
 _HANDLE_ATTR = "_siftattention_handle"
@@ -282,7 +282,8 @@ class SiftHandle:
             span = K - last.int().flip(-1).argmax(-1) - last.int().argmax(-1)
             self._range_ok[layer] = bias is None and bool((span == last.sum(-1)).all())
         if prefill and softcap is None and not self.method.observes_prefill():
-            out = exact_attention(query, key, value, valid, scaling=scaling, bias=bias)
+            causal = bias is None and is_causal_block(valid)
+            out = exact_attention(query, key, value, valid, scaling=scaling, bias=bias, causal=causal)
         else:
             out = method_attention(
                 self.method, state, query, key, value, valid,

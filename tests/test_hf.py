@@ -269,3 +269,33 @@ def test_kernel_decode_path_matches_the_reference_path(source):
 def test_decode_backend_is_validated():
     with pytest.raises(ValueError, match="decode_backend"):
         apply(tiny_llama(), Sift(), decode_backend="cuda")
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_decode_mode_prefill_equals_transformers(padded):
+    """The prompt of a decode runs exactly: the causal kernel without a mask where the mask is
+    plain causal, the masked one with left padding; both give transformers' own logits."""
+    model = tiny_llama(seed=8, heads=8, kv_heads=2)
+    ids = torch.randint(3, 95, (2, 19))
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[1, :5] = 0
+    gen = dict(attention_mask=mask, max_new_tokens=1, do_sample=False, pad_token_id=0, eos_token_id=None,
+               output_logits=True, return_dict_in_generate=True)
+    ref = model.generate(ids, **gen).logits[0]
+    with apply(model, Sift(tau=0.7, warmup=6)):
+        out = model.generate(ids, **gen).logits[0]
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_is_causal_block():
+    from siftattention.attention import is_causal_block
+
+    causal = torch.ones(5, 5, dtype=torch.bool).tril()[None, None].expand(2, 1, 5, 5)
+    assert is_causal_block(causal)
+    padded = causal.clone()
+    padded[1, :, :, 0] = False
+    assert not is_causal_block(padded)
+    assert not is_causal_block(torch.ones(5, 7, dtype=torch.bool).tril(2)[None, None])  # a chunk after a prefix
+    window = causal & ~torch.ones(5, 5, dtype=torch.bool).tril(-3)  # a sliding window of 3
+    assert not is_causal_block(window)

@@ -9,8 +9,8 @@ dense step of the CPU fast path.
 
 The extension is compiled with the machine's C++ compiler the first time it is needed
 (about 30 s, a one-line notice) into ``$SIFTATTENTION_CACHE`` (default
-``~/.cache/siftattention``), under a name that hashes the source, the flags and the
-torch version, and loaded from there afterwards. Where it cannot be built (no
+``~/.cache/siftattention``), under a name that hashes the source, the flags, the torch
+version and the CPU's instruction sets, and loaded from there afterwards. Where it cannot be built (no
 compiler), one warning says why and the torch backend runs instead.
 ``SIFTATTENTION_CPU_KERNEL=0`` switches it off. float32 only.
 """
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import platform
 import shutil
 import sys
 import warnings
@@ -42,6 +43,15 @@ def _cache_dir() -> Path:
     return Path(root) / "cpu_kernel"
 
 
+def _cpu_signature() -> bytes:
+    """The instruction sets of this CPU (-march=native code must not run on another kind of CPU)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), platform.processor()).encode()
+    except OSError:
+        return (platform.machine() + platform.processor()).encode()
+
+
 def build_problem() -> str | None:
     """Why the kernel cannot be used here (switched off, no compiler, failed build), or None."""
     load()
@@ -59,18 +69,19 @@ def load() -> ModuleType | None:
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         _problem = "no C++ compiler found"
     else:
-        key = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode() + torch.__version__.encode()).hexdigest()[:12]
+        key = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode() + torch.__version__.encode()
+                             + _cpu_signature()).hexdigest()[:12]
         name = f"siftattention_cpu_{key}"
         build_dir = _cache_dir() / name
-        build_dir.mkdir(parents=True, exist_ok=True)
-        if not any(build_dir.glob(f"{name}*.so")):
-            print("siftattention: building the fused CPU decode kernel (once, about 30 s)", file=sys.stderr, flush=True)
         try:
+            build_dir.mkdir(parents=True, exist_ok=True)
+            if not any(build_dir.glob(f"{name}*.so")):
+                print("siftattention: building the fused CPU decode kernel (once, about 30 s)", file=sys.stderr, flush=True)
             from torch.utils.cpp_extension import load as load_extension
 
             _module = load_extension(name=name, sources=[str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
                                      build_directory=str(build_dir), verbose=False)
-        except Exception as exc:  # a compiler or linker failure: fall back, say why once
+        except Exception as exc:  # an unwritable cache, a compiler or linker failure: fall back, say why once
             lines = str(exc).strip().splitlines() or [""]
             _problem = f"the build failed ({type(exc).__name__}: {lines[-1][:200]})"
     if _problem is not None:
