@@ -10,7 +10,8 @@ real text (WikiText-2 from the package data). Per prompt length:
 - ``fast_full`` / ``fast_sift``: ``siftattention.generate`` (fixed cache, eager on the CPU)
   with ``Full()`` and ``Sift(tau, warmup)`` through the fused C++ kernel (backend "cpu",
   the default on the CPU), post-warmup steps timed apart; ``fast_full_sdpa``: the same
-  loop with ``Full()`` through torch's SDPA (backend "torch"), the other dense option;
+  loop with ``Full()`` through torch's SDPA (backend "torch"), the other dense option (the
+  three runs alternate);
 - ``attention``: one layer's decode attention alone at a length (random K/V of the
   model's shape, thresholds at each head's tau-quantile): torch SDPA, the fused kernel
   dense and sparse, and the torch sparse step, timed interleaved.
@@ -82,17 +83,27 @@ def hf_pair(model, ids, new: int, repeats: int) -> tuple[dict, dict]:
                  for n in ("sdpa", "apply_full"))
 
 
-def fast_times(model, ids, method, new: int, repeats: int, backend: str = "auto") -> dict:
-    runs = [generate(model, ids, None, method, max_new_tokens=new, eos_token_id=-1, decode_backend=backend) for _ in range(repeats)]
-    out = {
-        "backend": backend,
-        "prefill_s": statistics.median(r.timings["prefill_s"] for r in runs),
-        "decode_ms": statistics.median(r.timings["decode_s"] / r.timings["decode_steps"] for r in runs) * 1e3,
-    }
-    sparse = [r.timings["phases"].get("sparse") for r in runs]
-    if all(sparse):
-        out["sparse_ms"] = statistics.median(p["seconds"] / p["steps"] for p in sparse) * 1e3
-        out["realized_post_warmup"] = runs[-1].stats.realized_sparsity(post_warmup=True)
+def fast_times(model, ids, runs: dict[str, tuple], new: int, repeats: int) -> dict[str, dict]:
+    """``siftattention.generate`` per named (method, backend), the names' runs alternated so drift hits all."""
+    results: dict[str, list] = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, (method, backend) in runs.items():
+            results[name].append(generate(model, ids, None, method, max_new_tokens=new, eos_token_id=-1, decode_backend=backend))
+    out = {}
+    for name, rs in results.items():
+        # Per-step medians (the loop's phase clock), as transformers' steps are timed: a slow
+        # spell of this shared machine moves a mean, not a median.
+        row = {
+            "backend": runs[name][1],
+            "prefill_s": statistics.median(r.timings["prefill_s"] for r in rs),
+            "decode_mean_ms": statistics.median(r.timings["decode_s"] / r.timings["decode_steps"] for r in rs) * 1e3,
+            "decode_ms": statistics.median(p["steady_ms"] for r in rs for p in r.timings["phases"].values()),
+        }
+        sparse = [r.timings["phases"].get("sparse") for r in rs]
+        if all(sparse):
+            row["sparse_ms"] = statistics.median(p["steady_ms"] for p in sparse)
+            row["realized_post_warmup"] = rs[-1].stats.realized_sparsity(post_warmup=True)
+        out[name] = row
     return out
 
 
@@ -156,9 +167,8 @@ def main() -> None:
         ids = torch.stack([all_ids[i * prompt : (i + 1) * prompt] for i in range(args.batch)])
         row = {"prompt": prompt}
         row["sdpa"], row["apply_full"] = hf_pair(model, ids, args.new, args.repeats)
-        row["fast_full"] = fast_times(model, ids, Full(), args.new, args.repeats)
-        row["fast_full_sdpa"] = fast_times(model, ids, Full(), args.new, args.repeats, backend="torch")
-        row["fast_sift"] = fast_times(model, ids, Sift(tau=args.tau, warmup=args.warmup), args.new, args.repeats)
+        row |= fast_times(model, ids, {"fast_full": (Full(), "auto"), "fast_full_sdpa": (Full(), "torch"),
+                                       "fast_sift": (Sift(tau=args.tau, warmup=args.warmup), "auto")}, args.new, args.repeats)
         print(json.dumps(row), flush=True)
         report["rows"].append(row)
     report["attention"] = []
