@@ -32,6 +32,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .attention import LayerRecord, exact_attention, is_causal_block, method_attention, valid_keys
+from .kernels.plan import BACKENDS
 from .methods.base import KeyRange, Method
 
 _HANDLE_ATTR = "_siftattention_handle"
@@ -145,8 +146,8 @@ class SiftHandle:
     """An applied method. Use as a context manager, or call ``remove()``."""
 
     def __init__(self, model: PreTrainedModel, method: Method, decode_backend: str | None = "auto") -> None:
-        if decode_backend not in (None, "auto", "torch", "triton", "cpu"):
-            raise ValueError(f"decode_backend must be None, 'auto', 'torch', 'triton' or 'cpu', got {decode_backend!r}")
+        if decode_backend is not None and decode_backend not in BACKENDS:
+            raise ValueError(f"decode_backend must be None or one of {BACKENDS}, got {decode_backend!r}")
         self.model = model
         self.method = method
         self.decode_backend = decode_backend

@@ -158,7 +158,7 @@ std::vector<torch::Tensor> decode_cpu(torch::Tensor q, torch::Tensor k, torch::T
     std::vector<float> tmp;      // [L]: a quantile's scratch
     std::vector<uint8_t> rows;   // [L]: 1 where some head of the group keeps the key
     std::vector<int64_t> list;   // [L]: the kept keys of the group, ascending
-    std::vector<float> inv_z(G), thr(G), max_scaled(G);
+    std::vector<float> inv_z(G), thr(G), max_scaled(G), mass(G);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / Hkv, h = task % Hkv;
       const int64_t lo = st ? st[b] : 0, hi = lens ? lens[b] : S;
@@ -170,8 +170,9 @@ std::vector<torch::Tensor> decode_cpu(torch::Tensor q, torch::Tensor k, torch::T
         list.resize(L);
       }
       const int64_t head0 = b * Hq + h * G;
+      const float* s0 = sp + task * G * W + (lo - lo_all);  // unscaled scores of head g: s0 + g * W
       for (int64_t g = 0; g < G; ++g) {
-        const float* srow = sp + (task * G + g) * W + (lo - lo_all);  // unscaled scores
+        const float* srow = s0 + g * W;
         float* eg = e.data() + g * L;
         // A positive scale keeps the order, so the scaled maximum is the scale times the raw one.
         max_scaled[g] = sc * row_max(srow, L);
@@ -197,26 +198,26 @@ std::vector<torch::Tensor> decode_cpu(torch::Tensor q, torch::Tensor k, torch::T
         }
         const float t = thr[g];
         int32_t c = 0;
-        float mass = 0.f;
-#pragma omp simd reduction(+ : c, mass)
+        float m = 0.f;
+#pragma omp simd reduction(+ : c, m)
         for (int64_t j = 0; j < L; ++j) {
           const bool keep = eg[j] > t;
           eg[j] = keep ? eg[j] : 0.f;
           c += keep ? 1 : 0;
-          mass += eg[j];
+          m += eg[j];
           rows[j] = rows[j] | static_cast<uint8_t>(keep);
         }
         // The maximum has e = exp(0) = 1, so p = 1 / z. Where the threshold drops it (or
         // eta is NaN), keep the first maximum by index, as torch's argmax picks it.
         if (!(iz > t)) {
-          const int64_t a = first_scaled_equal(sp + (task * G + g) * W + (lo - lo_all), L, sc, max_scaled[g]);
+          const int64_t a = first_scaled_equal(s0 + g * W, L, sc, max_scaled[g]);
           eg[a] = iz;
           c += 1;
-          mass += iz;
+          m += iz;
           rows[a] = 1;
         }
         kp[head0 + g] = c;
-        thr[g] = mass;  // reused: the kept mass, for renormalize
+        mass[g] = m;
       }
       int64_t n = 0;
       for (int64_t j = 0; j < L; ++j) {
@@ -236,7 +237,7 @@ std::vector<torch::Tensor> decode_cpu(torch::Tensor q, torch::Tensor k, torch::T
       }
       if (renormalize && mode == SPARSE) {
         for (int64_t g = 0; g < G; ++g) {
-          const float r = 1.f / thr[g];
+          const float r = 1.f / mass[g];
           for (int64_t d = 0; d < D; ++d) og[g * D + d] *= r;
         }
       }
