@@ -8,10 +8,18 @@ so the thresholds themselves are not varied):
 
 - ``in_loop``: the captured query, the loop's fixed caches (allocated ``P + T`` keys,
   ``seq_lens`` valid), the power-law thresholds, bf16;
-- ``trimmed``: keys and values copied to contiguous tensors of exactly the valid length;
-- ``fp16``: the captured inputs cast to float16 (bench_decode's default dtype);
+- ``shuffled``: the same keys and values at randomly permuted positions (the same kept
+  set and the same bytes; only where the kept rows lie changes);
+- ``interleaveN``: the captured inputs through filter splits that take every
+  ``ns2``-th run of N keys (``KernelConfig.interleave2``); ``interleave0``: one
+  contiguous range per split;
 - ``synthetic``: ``bench_decode.make_inputs`` of the same shape at the same realized
   sparsity (independent heads), bf16.
+
+Two earlier variants, contiguous caches of exactly the valid length and the inputs cast to
+float16, timed equal to ``in_loop`` (``benchmarks/results/replay_h200.json``) and were
+dropped. ``layout`` says where the kept V rows lie: the most one filter program gathers
+over the mean, and their share per 1/32 of the positions.
 
 Each variant reports GPU time per layer (CUDA graph, ``do_bench`` median), the device
 time of each kernel (torch.profiler over eager calls), the kept share per head and the
@@ -32,6 +40,8 @@ import sys
 import time
 from pathlib import Path
 
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 
@@ -45,9 +55,36 @@ from siftattention import Sift  # noqa: E402
 from siftattention.kernels import DecodeKernels  # noqa: E402
 
 
-def plan_like(q: torch.Tensor, k: torch.Tensor, scale: float, backend: str) -> DecodeKernels:
+def plan_like(q: torch.Tensor, k: torch.Tensor, scale: float, backend: str, config=None) -> DecodeKernels:
     return DecodeKernels.plan(batch=q.shape[0], q_heads=q.shape[1], kv_heads=k.shape[1], max_len=k.shape[2], head_dim=q.shape[2],
-                              dtype=q.dtype, device=q.device, scale=scale, backend=backend)
+                              dtype=q.dtype, device=q.device, scale=scale, backend=backend, config=config)
+
+
+def kept_layout(q, k, eta, seq_lens, scale: float, splits: int, bins: int = 32) -> dict:
+    """Where the V rows some head of a group keeps lie: per contiguous filter split and per position bin.
+
+    ``split_max_over_mean``: the most rows one (batch, KV head, split) program gathers over
+    the mean (1 = balanced); ``bins``: the share of kept rows in each of ``bins`` equal
+    position ranges, averaged over rows (uniform = 1 / bins each).
+    """
+    B, Hq, D = q.shape
+    Hkv = k.shape[1]
+    G = Hq // Hkv
+    per_split, hist = [], torch.zeros(bins, dtype=torch.float64)
+    for b in range(B):
+        n = int(seq_lens[b])
+        s = torch.matmul(q[b].float().view(Hkv, G, D), k[b, :, :n].float().transpose(-1, -2)) * scale
+        p = s.softmax(-1)
+        rows = ((p > eta[b].view(Hkv, G, 1)) | (p == p.amax(-1, keepdim=True))).any(1).double()  # [Hkv, n]
+        edges = torch.linspace(0, n, splits + 1).round().long().tolist()
+        per_split += [rows[:, a:e].sum(-1) for a, e in zip(edges[:-1], edges[1:])]
+        bedges = torch.linspace(0, n, bins + 1).round().long().tolist()
+        h = torch.stack([rows[:, a:e].sum(-1) for a, e in zip(bedges[:-1], bedges[1:])], -1)  # [Hkv, bins]
+        hist += (h / h.sum(-1, keepdim=True).clamp_min(1)).mean(0).cpu()
+    counts = torch.stack(per_split).flatten()
+    return {"splits": splits, "split_max_over_mean": float(counts.max() / counts.mean().clamp_min(1e-9)),
+            "split_cv": float(counts.std() / counts.mean().clamp_min(1e-9)),
+            "bins": [round(float(x), 4) for x in hist / B]}
 
 
 def shares(q, k, eta, seq_lens, scale: float) -> dict:
@@ -98,7 +135,7 @@ def kernel_us(fn, n: int = 10) -> dict:
     return per
 
 
-def layer_variants(call, cuda: bool, gen: torch.Generator) -> dict:
+def layer_variants(call, cuda: bool, gen: torch.Generator, chunks: tuple[int, ...] = (256,)) -> dict:
     """Every variant of one captured layer call (the captured plan's backend throughout)."""
     q, k, v, keys, state, _phase, kern = call
     scale, backend = kern.scale, kern.backend
@@ -116,17 +153,20 @@ def layer_variants(call, cuda: bool, gen: torch.Generator) -> dict:
     plan = plan_like(q, k, scale, backend)
     record("in_loop", lambda: plan.sparse(q, k, v, eta, seq_lens, starts), q, k, eta, seq_lens)
     realized = 1 - out["in_loop"]["kept_per_head"]
+    if cuda:
+        out["layout"] = kept_layout(q, k, eta, seq_lens, scale, plan.geometry["ns2"])
+        # The same call with interleaved filter splits (runs of CHUNK keys dealt round-robin).
+        for chunk in chunks:
+            plan_i = plan_like(q, k, scale, backend, replace(plan.config, interleave2=chunk))
+            record(f"interleave{chunk}", lambda: plan_i.sparse(q, k, v, eta, seq_lens, starts), q, k, eta, seq_lens)
 
-    kt, vt = k[:, :, :n].contiguous(), v[:, :, :n].contiguous()
-    plan_t = plan_like(q, kt, scale, backend)
-    record("trimmed", lambda: plan_t.sparse(q, kt, vt, eta, seq_lens, starts), q, kt, eta, seq_lens)
-    del kt, vt
-
-    if cuda:  # float16 exists for the Triton kernels; the CPU kernels run float32
-        qh, kh, vh = q.half(), k.half(), v.half()
-        plan_h = plan_like(qh, kh, scale, backend)
-        record("fp16", lambda: plan_h.sparse(qh, kh, vh, eta, seq_lens, starts), qh, kh, eta, seq_lens)
-        del qh, kh, vh
+    # The same keys and values at permuted positions: the same work, spread evenly over the splits.
+    if (starts is None or not bool(starts.any())) and bool((seq_lens == n).all()):
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(3)).to(k.device)
+        kp, vp = k[:, :, :n][:, :, perm].contiguous(), v[:, :, :n][:, :, perm].contiguous()
+        plan_p = plan_like(q, kp, scale, backend)
+        record("shuffled", lambda: plan_p.sparse(q, kp, vp, eta, seq_lens, starts), q, kp, eta, seq_lens)
+        del kp, vp
 
     B, Hq, D = q.shape
     qs, ks, vs = make_inputs(B, Hq, k.shape[1], n, D, q.dtype, 2.0, 0.0, gen) if cuda else _cpu_inputs(B, Hq, k.shape[1], n, D, gen)
@@ -160,6 +200,8 @@ def main() -> int:
     ap.add_argument("--plant-std", type=float, default=2.0)
     ap.add_argument("--head-corr", type=float, default=0.0)
     ap.add_argument("--q-scale", type=float, default=0.1)
+    ap.add_argument("--interleave", type=int, nargs="*", default=[0, 256],
+                    help="filter-split chunk sizes to time on the captured inputs (0: contiguous splits)")
     ap.add_argument("--smoke", action="store_true", help="tiny CPU version: checks the script, measures nothing useful")
     ap.add_argument("--out", type=Path, default=Path("replay_decode.json"))
     args = ap.parse_args()
@@ -186,7 +228,7 @@ def main() -> int:
     try:
         with torch.inference_mode():
             for i, call in enumerate(calls):
-                row = layer_variants(call, cuda, gen) | {"layer": i}
+                row = layer_variants(call, cuda, gen, tuple(args.interleave)) | {"layer": i}
                 report["layers"].append(row)
                 print(json.dumps(row)[:600], flush=True)
     finally:
@@ -195,7 +237,7 @@ def main() -> int:
         free() if cuda else None
     args.out.write_text(json.dumps(report, indent=1))
 
-    names = ["in_loop", "trimmed", "fp16", "synthetic"]
+    names = ["in_loop", "shuffled"] + [f"interleave{c}" for c in args.interleave] + ["synthetic"]
     print(f"\n{report['device']}, {args.setting}, {len(calls)} layers, tau {args.tau}, warmup {args.warmup}: ms per layer "
           "(kept per head / V rows); dense kernel and SDPA on the captured inputs")
     print("layer | " + " | ".join(names) + " | dense | sdpa")
@@ -206,6 +248,11 @@ def main() -> int:
         print("kernel device time per call, us (in_loop / synthetic):")
         for r in report["layers"]:
             print(f"{r['layer']:5d} | {r['in_loop']['kernels_us']} / {r['synthetic']['kernels_us']}")
+        print("kept V rows: max/mean per filter program, share per 1/32 of the positions (first 4, last 4):")
+        for r in report["layers"]:
+            lay = r["layout"]
+            print(f"{r['layer']:5d} | {lay['split_max_over_mean']:.2f} (cv {lay['split_cv']:.2f}, {lay['splits']} splits) | "
+                  f"{lay['bins'][:4]} ... {lay['bins'][-4:]}")
     return 0
 
 

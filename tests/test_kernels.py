@@ -563,7 +563,8 @@ def test_functional_api_eta_edges_and_starts():
 # (B, Hq, Hkv, S, D, dtype, config overrides). Small blocks and splits so that odd
 # lengths cross tile, split and compaction boundaries.
 SMALL = dict(block_n1=16, block_n2=16, block_a=32, scan_elems=0, min_split1=16, min_split2=16, quantile_block=32,
-             block_nd=16, min_splitd=16, block_nb=16, block_n2_gqa=16, block_nb_gqa=32, quantile_parallel=True)
+             block_nd=16, min_splitd=16, block_nb=16, block_n2_gqa=16, block_nb_gqa=32, quantile_parallel=True,
+             interleave2=0)
 TRITON_CASES = [
     (2, 4, 4, 37, 64, "float32", {"quantile_parallel": False}),  # one quantile program per row
     (2, 4, 4, 45, 64, "float16", {"scan_elems": 64, "reuse_sync": False}),  # MHA scan rows of 64 keys
@@ -572,6 +573,11 @@ TRITON_CASES = [
     (2, 8, 1, 41, 64, "float16", {"compact": False, "stream_mask_v": True}),
     (1, 4, 4, 70, 128, "bfloat16", {"dense_pct": 0, "fused_combine": False}),
     (1, 4, 1, 29, 256, "float32", {"block_n1": 64, "block_nd": 64, "block_nb_gqa": 64}),  # Gemma-3's head: tiles shrink
+    # Interleaved filter splits: chunks smaller than, equal to and larger than the tiles, a partial last chunk.
+    (2, 8, 2, 53, 64, "float16", {"interleave2": 8}),
+    (2, 4, 4, 61, 64, "float32", {"interleave2": 16, "dense_pct": 30}),  # some splits stream
+    (2, 8, 1, 41, 64, "float16", {"compact": False, "interleave2": 32}),  # streaming only
+    (1, 4, 2, 301, 64, "bfloat16", {"interleave2": 64}),  # chunks longer than the scan and stream tiles
 ]
 
 
@@ -589,6 +595,7 @@ def _triton_worker() -> dict:
         k, v = k[:, :, 1 : S + 1], v[:, :, 1 : S + 1]  # strided along S
         sl = sl.clamp(max=S)
         scale = D**-0.5
+        res.setdefault("chunks", []).append(triton_decode.geometry(B, Hq, Hkv, S, D, dtype, q.device, cfg)["CHUNK2"])
         for mode in ("one", "some", "all"):
             eta = midway_eta(q, k, scale, sl, mode, gen)
             for renorm in (False, True):
@@ -631,6 +638,8 @@ def _triton_worker() -> dict:
         triton_decode.filter_pass = real
     res["sync_nonzero_after_failure"] = sum(int(b.count_nonzero()) for b in triton_decode._SYNC.values())
     res["plan"] = plan_results("cpu", "triton", PLAN_CASES, KernelConfig(**SMALL))
+    # Interleaved filter splits with ragged starts and lengths.
+    res["plan_interleaved"] = plan_results("cpu", "triton", PLAN_CASES, KernelConfig(**{**SMALL, "interleave2": 8}))
     return res
 
 
@@ -659,6 +668,21 @@ def test_triton_decode_matches_float64(triton_results):
         assert r["out_dtype"] == "torch." + r["dtype"], r
 
 
+def test_triton_interleaved_cases_interleave(triton_results):
+    """The cases that ask for interleaved filter splits get chunks (else they would test contiguous splits)."""
+    for (_, _, _, _, _, _, over), chunk in zip(TRITON_CASES, triton_results["chunks"]):
+        assert (chunk > 0) == ("interleave2" in over), (over, chunk)
+
+
+def test_interleave_chunk_rule():
+    from siftattention.kernels.triton_decode import _chunk
+
+    assert _chunk(256, 32768, 16) == 256 and _chunk(0, 32768, 16) == 0
+    assert _chunk(256, 2048, 16) == 128  # every split of a full row gets a chunk
+    assert _chunk(200, 100000, 4) == 256  # rounded up to a power of two
+    assert _chunk(256, 100, 16) == 0  # rows too short for chunks of 8: contiguous splits
+
+
 def test_triton_reused_counters_return_to_zero(triton_results):
     assert triton_results["sync_buffers"] >= 2  # one per (device, stream, rows) shape seen
     assert triton_results["sync_nonzero"] == 0
@@ -683,6 +707,7 @@ def test_triton_warmup_quantile_exact_scores(triton_results):
 
 def test_triton_plan_matches_float64(triton_results):
     check_plan_rows(triton_results["plan"], 2 * len(PLAN_CASES))
+    check_plan_rows(triton_results["plan_interleaved"], 2 * len(PLAN_CASES))
 
 
 # ----------------------------------------------------------------------------- CUDA (skipped without a GPU)

@@ -111,6 +111,14 @@ class KernelConfig:
     block_a: int = 1024  # fewest keys per iteration of the compaction scan
     scan_elems: int = 2048  # scan tile [G, keys] of at least this many elements (MHA: longer rows)
     dense_pct: int = 85  # stream instead of gather when more than this % of rows is kept
+    # Filter pass: each split takes every NUM_SPLITS-th run of this many keys instead of one
+    # contiguous range (0), so kept keys that cluster in position (attention sinks, recent
+    # tokens, a topic) spread over all of a row's programs instead of lengthening a few.
+    # H200, the 8B shape's captured decode calls whose kept rows crowd the first tenth of the
+    # positions (one contiguous split gathering 2.5x the mean): filter pass 170 -> 112 us
+    # with 256 (128, 512, 1024 gain less); on bench_decode's evenly spread keys it costs
+    # 0.5-2.3% at s = 0.875 and 2-8% at s = 0 (replay_decode.py, BENCHMARKS.md).
+    interleave2: int = 256
     fused_combine: bool = True  # last split program reduces (no separate combine launch)
     quantile_block: int = 4096
     quantile_warps: int = 8
@@ -208,6 +216,17 @@ def _splits(s_max: int, rows: int, block_n: int, programs_per_sm: int, sms: int,
     return n
 
 
+def _chunk(want: int, s_max: int, splits: int) -> int:
+    """Keys per interleaved filter chunk: ``want`` (a power of two), halved until every split
+    of a full-length row gets a chunk; 0 (contiguous splits) below 8."""
+    if want <= 0:
+        return 0
+    chunk = _pow2(want)
+    while chunk > 8 and chunk * splits > s_max:
+        chunk //= 2
+    return chunk if chunk * splits <= s_max else 0
+
+
 @functools.lru_cache(maxsize=256)
 def _plan(
     B: int, Hq: int, Hkv: int, S: int, D: int, dtype: torch.dtype, sms: int, hopper: bool, interp: bool, cfg: KernelConfig
@@ -233,6 +252,7 @@ def _plan(
         BLOCK_G=max(16, _pow2(G)) if cfg.use_dot else _pow2(G),
         BLOCK_GA=_pow2(G),
         BLOCK_A=max(cfg.block_a, cfg.scan_elems // _pow2(G)),
+        CHUNK2=_chunk(cfg.interleave2, S, ns2),
         BLOCK_D=max(16, _pow2(D)),
         prec="ieee" if dtype == torch.float32 else "tf32",
         upcast=dtype == torch.bfloat16 and interp,
@@ -286,6 +306,40 @@ def _split_range(begin, end, split, NUM_SPLITS, BLOCK: tl.constexpr):
     per = tl.cdiv(n_blocks, NUM_SPLITS) * BLOCK
     lo = begin + split * per
     return lo, tl.minimum(lo + per, end)
+
+
+@triton.jit
+def _split_span(begin, end, split, NUM_SPLITS, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
+    """One filter split's keys as ``n`` virtual positions u, at ``base + (u // CHUNK) * stride + u % CHUNK``.
+
+    Returns (lo, n, base, stride, hi): ``lo`` is where the split's compacted lists start
+    (at most ``n`` entries; the splits' lists tile [begin, end) without overlap) and every
+    key position is below ``hi``. CHUNK = 0: one contiguous range [lo, lo + n). CHUNK > 0:
+    the chunks c0, c0 + NUM_SPLITS, ... of CHUNK keys; the last (partial) chunk goes to the
+    last split, so every list ends by ``end``.
+    """
+    if CHUNK == 0:
+        lo, hi = _split_range(begin, end, split, NUM_SPLITS, BLOCK)
+        return lo, tl.maximum(hi - lo, 0), lo, lo * 0, hi
+    else:
+        n_chunks = tl.cdiv(tl.maximum(end - begin, 0), CHUNK)
+        q = n_chunks // NUM_SPLITS
+        r = n_chunks % NUM_SPLITS
+        first = NUM_SPLITS - r  # splits from here on own one chunk more
+        count = q + (split >= first).to(tl.int32)
+        lo = begin + (split * q + tl.maximum(split - first, 0)) * CHUNK
+        c0 = (n_chunks + split) % NUM_SPLITS
+        return lo, count * CHUNK, begin + c0 * CHUNK, begin * 0 + NUM_SPLITS * CHUNK, end
+
+
+@triton.jit
+def _split_pos(u, base, stride, CHUNK: tl.constexpr, TILE: tl.constexpr):
+    """Key positions of the virtual positions ``u``, a tile of TILE starting at a multiple of min(TILE, CHUNK)."""
+    if CHUNK == 0:
+        return base + u
+    else:
+        pos = base + (u // CHUNK) * stride + u % CHUNK
+        return tl.max_contiguous(pos, CHUNK if CHUNK < TILE else TILE)
 
 
 @triton.jit
@@ -437,7 +491,7 @@ def _filter_kernel(
     USE_DOT: tl.constexpr, DOT_PREC: tl.constexpr, DOT_UPCAST: tl.constexpr,
     KEEP_ALL: tl.constexpr, COMPACT: tl.constexpr, DENSE_PCT: tl.constexpr, STAGES_B: tl.constexpr,
     FUSED_COMBINE: tl.constexpr, RESET_SYNC: tl.constexpr, RENORMALIZE: tl.constexpr, WRITE_KEPT: tl.constexpr,
-    PDL: tl.constexpr, EVICT: tl.constexpr,
+    PDL: tl.constexpr, EVICT: tl.constexpr, CHUNK: tl.constexpr,
 ):
     """Pass 2 over one split of one (batch, KV head).
 
@@ -478,7 +532,7 @@ def _filter_kernel(
 
     m, l, thr, amax = _thresholds(Mst, Lst, Ast, Eta, row, g_mask, NUM_SPLITS1, BLOCK_S1, KEEP_ALL)
     begin, end_row = _row_range(SeqLens, Starts, b, S_MAX, HAS_SEQ_LENS, HAS_STARTS)
-    start, end = _split_range(begin, end_row, split, NUM_SPLITS2, BLOCK_N)
+    start, n_virt, base, stride, end = _split_span(begin, end_row, split, NUM_SPLITS2, BLOCK_N, CHUNK)
 
     v_base = V + b.to(tl.int64) * stride_vb + hkv.to(tl.int64) * stride_vh
     s_base = Scores + row[:, None] * S_MAX
@@ -506,9 +560,9 @@ def _filter_kernel(
                 mass_a = tl.zeros([BLOCK_GA], tl.float32)
                 wa_base = Wc + row_a[:, None] * S_MAX + start
             # Not software-pipelined: prefetching the score tiles made GQA ~5% slower.
-            for n0 in tl.range(start, end, BLOCK_A, num_stages=1):
-                offs = n0 + offs_a
-                n_mask = offs < end
+            for u0 in tl.range(0, n_virt, BLOCK_A, num_stages=1):
+                offs = _split_pos(u0 + offs_a, base, stride, CHUNK, BLOCK_A)
+                n_mask = (u0 + offs_a < n_virt) & (offs < end)
                 s = tl.load(sa_base + offs[None, :], mask=ga_mask[:, None] & n_mask[None, :], other=float("-inf"))
                 keep = ((s > thr_a[:, None]) | (offs[None, :] == amax_a[:, None])) & n_mask[None, :] & ga_mask[:, None]
                 cnt_a += tl.sum(keep.to(tl.int32), axis=1)
@@ -524,7 +578,7 @@ def _filter_kernel(
                              mask=ga_mask[:, None] & (rk > 0)[None, :])
                 n_kept += tl.sum(rk, axis=0)
             tl.debug_barrier()  # Idx (and Wc) written by this program's threads, read back below
-            dense = n_kept * 100 > (end - start) * DENSE_PCT
+            dense = n_kept * 100 > n_virt * DENSE_PCT
             if not dense:
                 # Phase B: gather the kept rows, all useful, BLOCK_N per iteration.
                 if COMPACT_W:
@@ -554,9 +608,9 @@ def _filter_kernel(
     if dense:
         # Streaming: every tile, V loads masked to the rows some head keeps.
         cnt = tl.zeros([BLOCK_G], tl.int32)
-        for n0 in range(start, end, BLOCK_N):
-            offs = n0 + offs_n
-            n_mask = offs < end
+        for u0 in range(0, n_virt, BLOCK_N):
+            offs = _split_pos(u0 + offs_n, base, stride, CHUNK, BLOCK_N)
+            n_mask = (u0 + offs_n < n_virt) & (offs < end)
             s = tl.load(s_base + offs[None, :], mask=g_mask[:, None] & n_mask[None, :], other=float("-inf"))
             v_ptrs = v_base + offs[:, None].to(tl.int64) * stride_vs + offs_d[None, :] * stride_vd
             if STREAM_MASK_V:
@@ -1075,7 +1129,7 @@ def filter_pass(
         USE_DOT=geo["use_dot"], DOT_PREC=geo["prec"], DOT_UPCAST=geo["upcast"], KEEP_ALL=eta is None,
         COMPACT=compact, DENSE_PCT=cfg.dense_pct, STAGES_B=geo["STAGES_B"],
         FUSED_COMBINE=fused, RESET_SYNC=fused, RENORMALIZE=renormalize, WRITE_KEPT=want_kept,
-        PDL=pdl, EVICT=cfg.evict, num_warps=cfg.warps2, num_stages=cfg.stages2,
+        PDL=pdl, EVICT=cfg.evict, CHUNK=geo["CHUNK2"], num_warps=cfg.warps2, num_stages=cfg.stages2,
         **({"launch_pdl": True} if pdl else {}),
     )
     if not fused:
