@@ -188,21 +188,36 @@ def profile_steps(model, ids, method, new: int = 6) -> str:
     return prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70)
 
 
+def kept_masks(q: torch.Tensor, k: torch.Tensor, eta: torch.Tensor, seq_lens: torch.Tensor, scale: float):
+    """Per batch row, which keys each query head keeps: [Hkv, G, n] bool over the row's n valid keys.
+
+    ``p > eta`` or the row maximum, from float32 scores (prompts start at key 0 here).
+    """
+    B, Hq, D = q.shape
+    Hkv = k.shape[1]
+    for b in range(B):  # one batch row at a time bounds the [Hq, n] float32 temporaries
+        n = int(seq_lens[b])
+        p = (torch.matmul(q[b].float().view(Hkv, Hq // Hkv, D), k[b, :, :n].float().transpose(-1, -2)) * scale).softmax(-1)
+        yield (p > eta[b].view(Hkv, Hq // Hkv, 1)) | (p == p.amax(-1, keepdim=True))
+
+
+def kept_counts(q, k, eta, seq_lens, scale: float) -> tuple[float, float, float]:
+    """(keys kept summed over heads, V rows some head of a group keeps summed over KV heads, valid keys)."""
+    kept = rows = valid = 0.0
+    for keep in kept_masks(q, k, eta, seq_lens, scale):
+        kept += float(keep.sum())
+        rows += float(keep.any(1).sum())
+        valid += keep.shape[-1]
+    return kept, rows, valid
+
+
 def v_rows_read(calls) -> dict:
     """Kept keys per head and V rows some head of the group keeps, as fractions of the valid keys (one step, all layers)."""
-    kept = rows = valid_total = 0.0
+    kept = rows = valid = 0.0
     for q, k, v, keys, state, phase, kern in calls:
-        B, Hq, D = q.shape
-        Hkv, L = k.shape[1], k.shape[2]
-        scores = torch.einsum("bgrd,bgkd->bgrk", q.float().view(B, Hkv, Hq // Hkv, D), k.float()) * kern.scale
-        valid = torch.arange(L, device=q.device)[None, :] < keys.seq_lens[:, None]  # prompts start at 0 here
-        probs = scores.masked_fill(~valid[:, None, None, :], float("-inf")).softmax(-1)
-        eta = Sift.decode_threshold(state, keys).view(B, Hkv, Hq // Hkv, 1)
-        keep = (probs > eta) | (probs == probs.amax(-1, keepdim=True))
-        kept += float(keep.sum())
-        rows += float(keep.any(2).sum())
-        valid_total += float(valid.sum())
-    return {"kept_per_head": kept / (valid_total * calls[0][0].shape[1]), "v_rows_per_kv_head": rows / (valid_total * calls[0][1].shape[1])}
+        c = kept_counts(q, k, Sift.decode_threshold(state, keys), keys.seq_lens, kern.scale)
+        kept, rows, valid = kept + c[0], rows + c[1], valid + c[2]
+    return {"kept_per_head": kept / (valid * calls[0][0].shape[1]), "v_rows_per_kv_head": rows / (valid * calls[0][1].shape[1])}
 
 
 def capture_decode_calls(model, ids, tau: float, warmup: int) -> tuple[Sift, list[tuple], object]:

@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_decode import make_inputs, thresholds  # noqa: E402
 from cpu_sparse_breakdown import timed  # noqa: E402
-from bench_generate import build, capture_decode_calls, free, plant_attention, set_q_scale  # noqa: E402
+from bench_generate import build, capture_decode_calls, free, kept_counts, kept_masks, plant_attention, set_q_scale  # noqa: E402
 
 from siftattention import Sift  # noqa: E402
 from siftattention.kernels import DecodeKernels  # noqa: E402
@@ -67,15 +67,10 @@ def kept_layout(q, k, eta, seq_lens, scale: float, splits: int, bins: int = 32) 
     the mean (1 = balanced); ``bins``: the share of kept rows in each of ``bins`` equal
     position ranges, averaged over rows (uniform = 1 / bins each).
     """
-    B, Hq, D = q.shape
-    Hkv = k.shape[1]
-    G = Hq // Hkv
     per_split, hist = [], torch.zeros(bins, dtype=torch.float64)
-    for b in range(B):
-        n = int(seq_lens[b])
-        s = torch.matmul(q[b].float().view(Hkv, G, D), k[b, :, :n].float().transpose(-1, -2)) * scale
-        p = s.softmax(-1)
-        rows = ((p > eta[b].view(Hkv, G, 1)) | (p == p.amax(-1, keepdim=True))).any(1).double()  # [Hkv, n]
+    for keep in kept_masks(q, k, eta, seq_lens, scale):
+        rows = keep.any(1).double()  # [Hkv, n]
+        n = rows.shape[-1]
         edges = torch.linspace(0, n, splits + 1).round().long().tolist()
         per_split += [rows[:, a:e].sum(-1) for a, e in zip(edges[:-1], edges[1:])]
         bedges = torch.linspace(0, n, bins + 1).round().long().tolist()
@@ -84,24 +79,13 @@ def kept_layout(q, k, eta, seq_lens, scale: float, splits: int, bins: int = 32) 
     counts = torch.stack(per_split).flatten()
     return {"splits": splits, "split_max_over_mean": float(counts.max() / counts.mean().clamp_min(1e-9)),
             "split_cv": float(counts.std() / counts.mean().clamp_min(1e-9)),
-            "bins": [round(float(x), 4) for x in hist / B]}
+            "bins": [round(float(x), 4) for x in hist / q.shape[0]]}
 
 
 def shares(q, k, eta, seq_lens, scale: float) -> dict:
     """Kept keys per head and V rows some head of the group keeps, as shares of the valid keys (float32 scores)."""
-    B, Hq, D = q.shape
-    Hkv, L = k.shape[1], k.shape[2]
-    G = Hq // Hkv
-    kept = rows = valid_total = 0.0
-    for b in range(B):  # one batch row at a time bounds the [Hq, L] float32 temporaries
-        n = int(seq_lens[b])
-        s = torch.matmul(q[b].float().view(Hkv, G, D), k[b, :, :n].float().transpose(-1, -2)) * scale
-        p = s.softmax(-1)
-        keep = (p > eta[b].view(Hkv, G, 1)) | (p == p.amax(-1, keepdim=True))
-        kept += float(keep.sum())
-        rows += float(keep.any(1).sum())
-        valid_total += n
-    return {"kept_per_head": kept / (valid_total * Hq), "v_rows": rows / (valid_total * Hkv)}
+    kept, rows, valid = kept_counts(q, k, eta, seq_lens, scale)
+    return {"kept_per_head": kept / (valid * q.shape[1]), "v_rows": rows / (valid * k.shape[1])}
 
 
 def gpu_ms(fn) -> float:

@@ -165,6 +165,7 @@ class SiftHandle:
         self._batch: dict[int, int] = {}
         self._decoded: dict[int, int] = {}  # decode steps per layer since the prefill (host-side)
         self._range_ok: dict[int, bool] = {}  # valid keys of every row form one contiguous range
+        self._causal_mask: tuple[weakref.ref, bool] | None = None  # the last prompt mask checked, and its verdict
         self._plans: dict[tuple, Any] = {}
         self._previous = getattr(model, "config", None) and model.config._attn_implementation
         self._installed = False
@@ -283,7 +284,7 @@ class SiftHandle:
             span = K - last.int().flip(-1).argmax(-1) - last.int().argmax(-1)
             self._range_ok[layer] = bias is None and bool((span == last.sum(-1)).all())
         if prefill and softcap is None and not self.method.observes_prefill():
-            causal = bias is None and is_causal_block(valid)
+            causal = bias is None and self._is_causal(attention_mask, valid)
             out = exact_attention(query, key, value, valid, scaling=scaling, bias=bias, causal=causal)
         else:
             out = method_attention(
@@ -295,6 +296,14 @@ class SiftHandle:
         elif decoding:
             self._decoded[layer] += 1
         return out.transpose(1, 2).contiguous(), None
+
+    def _is_causal(self, attention_mask: torch.Tensor | None, valid: torch.Tensor) -> bool:
+        """``is_causal_block(valid)``, checked once per mask: every layer of a forward gets the same mask tensor."""
+        if attention_mask is None:
+            return valid.shape[-2] == valid.shape[-1]  # valid_keys built the causal mask itself
+        if self._causal_mask is None or self._causal_mask[0]() is not attention_mask:
+            self._causal_mask = (weakref.ref(attention_mask), is_causal_block(valid))
+        return self._causal_mask[1]
 
     def _decode(self, layer, module, state, query, key, value, attention_mask, scaling, kwargs) -> tuple[torch.Tensor, None] | None:
         """One decode step through the method's ``decode_step``; None where only ``select`` can serve it."""
