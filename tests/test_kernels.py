@@ -361,9 +361,21 @@ PLAN_CASES = [
 ]
 
 
+def power_law_for(eta, seq_lens, starts, gen):
+    """A PowerLawThreshold whose eta() is ``eta`` up to rounding: random exponents, log alpha to match
+    (eta = 0 gives log alpha = -inf, so the row keeps every key)."""
+    from siftattention.kernels.plan import PowerLawThreshold
+
+    log_steps = (seq_lens - starts).float().log()
+    beta = (torch.rand(eta.shape, generator=gen) * 3 - 1.5).float()
+    log_alpha = (eta.double().clamp(min=0).log() + beta.double() * log_steps.double()[:, None]).float()
+    return PowerLawThreshold(log_alpha.contiguous(), beta.contiguous(), log_steps.contiguous())
+
+
 def plan_results(device: str, backend: str, cases, config=None, seed_base: int = 31) -> list[dict]:
     """DecodeKernels sparse / dense / warmup on ``cases`` against the float64 reference."""
     from siftattention.kernels import DecodeKernels
+    from siftattention.kernels.plan import PowerLawThreshold
 
     res = []
     for i, (B, Hq, Hkv, S, D, dt) in enumerate(cases):
@@ -387,6 +399,11 @@ def plan_results(device: str, backend: str, cases, config=None, seed_base: int =
                        kept_equal=bool(torch.equal(kept.cpu(), ref_kept)),
                        kept_equal_torch=bool(torch.equal(kept.cpu(), kept_t.cpu())),
                        dtypes_ok=out.dtype == dtype and kept.dtype == torch.int32)
+            # The same thresholds given as a power law (log alpha, beta, log S), as Sift's decode step passes them.
+            law = power_law_for(eta, sl, st, gen)
+            pl_ref, pl_ref_kept, _, _ = ref_range(q, k, v, law.eta(), scale, sl, st, renorm, tau)
+            pl_out, pl_kept = kern.sparse(*args, PowerLawThreshold(*(dev(x) for x in law)), dev(sl), dev(st))
+            row.update(pl_err=rel(pl_out.cpu(), pl_ref), pl_kept_equal=bool(torch.equal(pl_kept.cpu(), pl_ref_kept)))
             if not renorm:  # dense, warmup and full ranges do not depend on renormalize
                 dense = kern.dense(*args, dev(sl), dev(st))
                 w_out, theta = kern.warmup(*args, tau, dev(sl), dev(st))
@@ -415,6 +432,7 @@ def check_plan_rows(rows, n_expected):
     for r in rows:
         tol = 1e-5 if r["dtype"] == "float32" else 1e-2
         assert r["err"] < tol and r["kept_equal"] and r["kept_equal_torch"], r
+        assert r["pl_err"] < tol and r["pl_kept_equal"], r
         if not r["renorm"]:
             for key in ("dense_err", "warm_err", "full_err", "full_dense_err"):
                 assert r[key] < tol, (key, r)

@@ -11,8 +11,8 @@ Preconditions of the run methods (not checked, so that they stay cheap):
 
 - ``q`` [B, Hq, D]; ``k_cache``, ``v_cache`` [B, Hkv, max_len, D], any strides (a
   transformers ``StaticCache`` buffer works), all of the planned dtype on the planned
-  device; ``eta`` [B, Hq] float32, ``seq_lens`` [B] int32 and ``starts`` [B] int32 (or
-  None), all three contiguous.
+  device; ``eta`` [B, Hq] float32 (or a ``PowerLawThreshold`` of contiguous float32
+  tensors), ``seq_lens`` [B] int32 and ``starts`` [B] int32 (or None), all contiguous.
 - Valid keys of row b: positions ``[starts[b], seq_lens[b])`` with
   ``0 <= starts[b] < seq_lens[b] <= max_len``; keys outside never count (softmax,
   quantile, kept, argmax). An empty range gives NaN outputs.
@@ -24,12 +24,30 @@ from __future__ import annotations
 
 import math
 import os
+from typing import NamedTuple
 
 import torch
 
 from .torch_ref import dense_decode_torch, sift_decode_torch, sift_warmup_decode_torch
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+class PowerLawThreshold(NamedTuple):
+    """The threshold eta = exp(log_alpha - beta * log_steps) given by its parts.
+
+    The Triton filter pass computes it in its prologue, which saves the three small
+    elementwise launches per layer and step that forming eta in torch costs; the other
+    backends form it with ``eta()``, Sift's arithmetic exactly.
+    """
+
+    log_alpha: torch.Tensor  # [B, Hq] float32; -inf keeps every key
+    beta: torch.Tensor  # [B, Hq] float32
+    log_steps: torch.Tensor  # [B] float32, log S of each row
+
+    def eta(self) -> torch.Tensor:
+        return torch.exp(self.log_alpha - self.beta * self.log_steps[:, None])
+
 BACKENDS = ("auto", "torch", "triton", "cpu")
 
 
@@ -142,12 +160,15 @@ class DecodeKernels:
         return cls(which, batch, q_heads, kv_heads, max_len, head_dim, dtype, device, float(scale),
                    bool(renormalize), config)
 
-    def sparse(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, eta: torch.Tensor,
-               seq_lens: torch.Tensor, starts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def sparse(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               eta: torch.Tensor | PowerLawThreshold, seq_lens: torch.Tensor,
+               starts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Sift step: out [B, Hq, D] (q's dtype) and kept [B, Hq] int32 (keys kept per head)."""
         if self.backend == "triton":
             return self._td.sparse(self.geometry, self.workspace, q, k_cache, v_cache, eta, self.scale, seq_lens,
                                    starts, self.renormalize, self.config)
+        if isinstance(eta, PowerLawThreshold):
+            eta = eta.eta()
         if self.backend == "cpu":
             return self._cpu.sift_decode_cpu(q, k_cache, v_cache, eta, self.scale, seq_lens, self.renormalize, starts)
         return sift_decode_torch(q, k_cache, v_cache, eta, self.scale, seq_lens, self.renormalize, starts)

@@ -51,6 +51,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .plan import PowerLawThreshold
+
 LOG2E = 1.4426950408889634
 # Programmatic dependent launch (Hopper+): the filter kernel is dispatched while the
 # scores kernel drains, and each of its programs waits for its own row only.
@@ -443,11 +445,22 @@ def _row_stats(Mst, Lst, Ast, row, g_mask, NUM_SPLITS, BLOCK_S: tl.constexpr):
 
 
 @triton.jit
-def _thresholds(Mst, Lst, Ast, Eta, row, g_mask, NUM_SPLITS1, BLOCK_S1: tl.constexpr, KEEP_ALL: tl.constexpr):
-    """Row max M, normaliser L, log2-domain threshold and argmax per head of the tile."""
+def _thresholds(Mst, Lst, Ast, Eta, Beta, LogSteps, row, b, g_mask, NUM_SPLITS1, BLOCK_S1: tl.constexpr,
+                KEEP_ALL: tl.constexpr, POWER_LAW: tl.constexpr):
+    """Row max M, normaliser L, log2-domain threshold and argmax per head of the tile.
+
+    POWER_LAW: ``Eta`` holds log alpha, and log2(eta) = (log alpha - beta * log S) * log2(e).
+    """
     m, l, amax = _row_stats(Mst, Lst, Ast, row, g_mask, NUM_SPLITS1, BLOCK_S1)
     if KEEP_ALL:
         thr = tl.full(m.shape, float("-inf"), tl.float32)
+    elif POWER_LAW:
+        log_alpha = tl.load(Eta + row, mask=g_mask, other=0.0)
+        beta = tl.load(Beta + row, mask=g_mask, other=0.0)
+        log2_eta = (log_alpha - beta * tl.load(LogSteps + b)) * 1.4426950408889634
+        # log alpha = -inf (no fit) gives -inf: every key; eta >= 1 keeps none but the maximum.
+        thr = m + log2_eta + tl.math.log2(l)
+        thr = tl.where(log2_eta >= 0.0, float("inf"), thr)
     else:
         eta = tl.load(Eta + row, mask=g_mask, other=1.0)
         # p > eta  <=>  s2 > M + log2(eta) + log2(L). eta <= 0 keeps every key (log2 of a
@@ -481,7 +494,7 @@ def _accumulate(acc, mass, s, idx, jm, thr, amax, m, g_mask, v_ptrs, vmask, DOT_
 
 @triton.jit
 def _filter_kernel(
-    V, Scores, Mst, Lst, Ast, Eta, SeqLens, Starts, Idx, Wc, Part, Cnt, Mass, Sem, Arrive, Out, Kept,
+    V, Scores, Mst, Lst, Ast, Eta, Beta, LogSteps, SeqLens, Starts, Idx, Wc, Part, Cnt, Mass, Sem, Arrive, Out, Kept,
     stride_vb, stride_vh, stride_vs, stride_vd, stride_ob, stride_oh, stride_od,
     S_MAX, NUM_SPLITS1, NUM_SPLITS2,
     HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_GA: tl.constexpr,
@@ -489,9 +502,9 @@ def _filter_kernel(
     BLOCK_S1: tl.constexpr, CH: tl.constexpr, COMPACT_W: tl.constexpr, STREAM_MASK_V: tl.constexpr,
     HAS_SEQ_LENS: tl.constexpr, HAS_STARTS: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_PREC: tl.constexpr, DOT_UPCAST: tl.constexpr,
-    KEEP_ALL: tl.constexpr, COMPACT: tl.constexpr, DENSE_PCT: tl.constexpr, STAGES_B: tl.constexpr,
-    FUSED_COMBINE: tl.constexpr, RESET_SYNC: tl.constexpr, RENORMALIZE: tl.constexpr, WRITE_KEPT: tl.constexpr,
-    PDL: tl.constexpr, EVICT: tl.constexpr, CHUNK: tl.constexpr,
+    KEEP_ALL: tl.constexpr, POWER_LAW: tl.constexpr, COMPACT: tl.constexpr, DENSE_PCT: tl.constexpr,
+    STAGES_B: tl.constexpr, FUSED_COMBINE: tl.constexpr, RESET_SYNC: tl.constexpr, RENORMALIZE: tl.constexpr,
+    WRITE_KEPT: tl.constexpr, PDL: tl.constexpr, EVICT: tl.constexpr, CHUNK: tl.constexpr,
 ):
     """Pass 2 over one split of one (batch, KV head).
 
@@ -530,7 +543,8 @@ def _filter_kernel(
     d_mask = offs_d < D
     row = b.to(tl.int64) * HQ + hkv * G + offs_g
 
-    m, l, thr, amax = _thresholds(Mst, Lst, Ast, Eta, row, g_mask, NUM_SPLITS1, BLOCK_S1, KEEP_ALL)
+    m, l, thr, amax = _thresholds(Mst, Lst, Ast, Eta, Beta, LogSteps, row, b, g_mask, NUM_SPLITS1, BLOCK_S1, KEEP_ALL,
+                                  POWER_LAW)
     begin, end_row = _row_range(SeqLens, Starts, b, S_MAX, HAS_SEQ_LENS, HAS_STARTS)
     start, n_virt, base, stride, end = _split_span(begin, end_row, split, NUM_SPLITS2, BLOCK_N, CHUNK)
 
@@ -1106,8 +1120,13 @@ def filter_pass(
     geo: dict, ws: Workspace, v_cache, eta, seq_lens, starts, cfg: KernelConfig, out_dtype: torch.dtype,
     renormalize: bool, want_kept: bool, pdl: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Pass 2: threshold, compaction, V gather and (fused) the output; ``eta`` None keeps every key."""
+    """Pass 2: threshold, compaction, V gather and (fused) the output; ``eta`` None keeps every key.
+
+    ``eta``: [B, Hq] probabilities, or a ``PowerLawThreshold`` the kernel evaluates itself.
+    """
     B, Hq, Hkv, S, D = geo["B"], geo["Hq"], geo["Hkv"], geo["S"], geo["D"]
+    power_law = isinstance(eta, PowerLawThreshold)
+    eta_arg, beta_arg, log_steps_arg = (eta if power_law else (eta if eta is not None else ws.mst, ws.mst, ws.mst))
     dev = v_cache.device
     compact = cfg.compact and eta is not None
     fused = geo["fused"]
@@ -1115,7 +1134,7 @@ def filter_pass(
     kept = torch.empty(B, Hq, device=dev, dtype=torch.int32) if want_kept else None
     has_sl, has_st = seq_lens is not None, starts is not None
     _filter_kernel[(geo["ns2"], B * Hkv)](
-        v_cache, ws.scores, ws.mst, ws.lst, ws.ast, eta if eta is not None else ws.mst,
+        v_cache, ws.scores, ws.mst, ws.lst, ws.ast, eta_arg, beta_arg, log_steps_arg,
         seq_lens if has_sl else ws.ast, starts if has_st else ws.ast,
         ws.idx, ws.wc, ws.part, ws.cnt, ws.mass, ws.sem, ws.arrive,
         out, kept if kept is not None else ws.cnt,
@@ -1127,7 +1146,7 @@ def filter_pass(
         COMPACT_W=cfg.compact_weights and geo["use_dot"], STREAM_MASK_V=cfg.stream_mask_v,
         HAS_SEQ_LENS=has_sl, HAS_STARTS=has_st,
         USE_DOT=geo["use_dot"], DOT_PREC=geo["prec"], DOT_UPCAST=geo["upcast"], KEEP_ALL=eta is None,
-        COMPACT=compact, DENSE_PCT=cfg.dense_pct, STAGES_B=geo["STAGES_B"],
+        POWER_LAW=power_law, COMPACT=compact, DENSE_PCT=cfg.dense_pct, STAGES_B=geo["STAGES_B"],
         FUSED_COMBINE=fused, RESET_SYNC=fused, RENORMALIZE=renormalize, WRITE_KEPT=want_kept,
         PDL=pdl, EVICT=cfg.evict, CHUNK=geo["CHUNK2"], num_warps=cfg.warps2, num_stages=cfg.stages2,
         **({"launch_pdl": True} if pdl else {}),

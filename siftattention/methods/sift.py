@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 import torch
 
+from ..kernels.plan import PowerLawThreshold
 from ..powerlaw import fit_power_law, masked_quantile, predict_log
 from .base import DecodeOutput, KeyRange, Method, Rows, Selection, check_fraction, keep_row_max
 
@@ -123,7 +124,8 @@ class Sift(Method):
             if phase == "fit":
                 self._fit(state, state.count >= self.warmup)
             return DecodeOutput(out, None, False)
-        out, kept = kernels.sparse(query, k_cache, v_cache, self.decode_threshold(state, keys), keys.seq_lens, keys.starts)
+        threshold = PowerLawThreshold(state.log_alpha, state.beta, keys.log_steps())
+        out, kept = kernels.sparse(query, k_cache, v_cache, threshold, keys.seq_lens, keys.starts)
         return DecodeOutput(out, kept, state.fitted)
 
     @staticmethod
@@ -133,7 +135,7 @@ class Sift(Method):
         A row without a fit (a one-token prompt with warmup_source='prefill') has
         log alpha = -inf, so eta = 0 and it keeps every key.
         """
-        return torch.exp(state.log_alpha - state.beta * keys.log_steps()[:, None])
+        return PowerLawThreshold(state.log_alpha, state.beta, keys.log_steps()).eta()
 
     def observes_prefill(self) -> bool:
         return self.warmup_source == "prefill"
