@@ -62,11 +62,18 @@ class DecodeContext:
         self.counter = torch.zeros(1, dtype=torch.long, device=device)  # decode steps done
         self.steps = self.seq_lens - self.starts  # S of every row (layers without a window)
         self.log_steps = self.steps.float().log()
+        # Per sliding window: (starts, steps, log steps), formed once a step for all its layers.
+        self.windows: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     def keys(self, window: int | None) -> KeyRange:
         if window is None:
             return KeyRange(self.seq_lens, self.starts, self.steps, self.log_steps)
-        return KeyRange(self.seq_lens, torch.maximum(self.starts, self.seq_lens - window))
+        ranges = self.windows.get(window)
+        if ranges is None:  # first (eager) step: buffers that later steps and graph replays update
+            starts = torch.maximum(self.starts, self.seq_lens - window)
+            steps = self.seq_lens - starts
+            ranges = self.windows[window] = (starts, steps, steps.float().log())
+        return KeyRange(self.seq_lens, *ranges)
 
     def advance(self) -> None:
         self.seq_lens += 1
@@ -74,6 +81,10 @@ class DecodeContext:
         self.counter += 1
         self.steps += 1
         torch.log(self.steps.float(), out=self.log_steps)
+        for window, (starts, steps, log_steps) in self.windows.items():
+            torch.maximum(self.starts, self.seq_lens - window, out=starts)
+            torch.sub(self.seq_lens, starts, out=steps)
+            torch.log(steps.float(), out=log_steps)
 
 
 def fast_path_problem(model: torch.nn.Module, method: Method) -> str | None:
