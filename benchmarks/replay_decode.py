@@ -67,16 +67,18 @@ def kept_layout(q, k, eta, seq_lens, scale: float, splits: int, bins: int = 32) 
     the mean (1 = balanced); ``bins``: the share of kept rows in each of ``bins`` equal
     position ranges, averaged over rows (uniform = 1 / bins each).
     """
+    def range_sums(rows: torch.Tensor, parts: int) -> torch.Tensor:
+        """[Hkv, parts]: kept rows in each of ``parts`` equal position ranges."""
+        edges = torch.linspace(0, rows.shape[-1], parts + 1).round().long().tolist()
+        return torch.stack([rows[:, a:e].sum(-1) for a, e in zip(edges[:-1], edges[1:])], -1)
+
     per_split, hist = [], torch.zeros(bins, dtype=torch.float64)
     for keep in kept_masks(q, k, eta, seq_lens, scale):
         rows = keep.any(1).double()  # [Hkv, n]
-        n = rows.shape[-1]
-        edges = torch.linspace(0, n, splits + 1).round().long().tolist()
-        per_split += [rows[:, a:e].sum(-1) for a, e in zip(edges[:-1], edges[1:])]
-        bedges = torch.linspace(0, n, bins + 1).round().long().tolist()
-        h = torch.stack([rows[:, a:e].sum(-1) for a, e in zip(bedges[:-1], bedges[1:])], -1)  # [Hkv, bins]
+        per_split.append(range_sums(rows, splits).flatten())
+        h = range_sums(rows, bins)
         hist += (h / h.sum(-1, keepdim=True).clamp_min(1)).mean(0).cpu()
-    counts = torch.stack(per_split).flatten()
+    counts = torch.cat(per_split)
     return {"splits": splits, "split_max_over_mean": float(counts.max() / counts.mean().clamp_min(1e-9)),
             "split_cv": float(counts.std() / counts.mean().clamp_min(1e-9)),
             "bins": [round(float(x), 4) for x in hist / q.shape[0]]}

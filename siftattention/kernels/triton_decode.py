@@ -454,21 +454,20 @@ def _thresholds(Mst, Lst, Ast, Eta, Beta, LogSteps, row, b, g_mask, NUM_SPLITS1,
     m, l, amax = _row_stats(Mst, Lst, Ast, row, g_mask, NUM_SPLITS1, BLOCK_S1)
     if KEEP_ALL:
         thr = tl.full(m.shape, float("-inf"), tl.float32)
-    elif POWER_LAW:
-        log_alpha = tl.load(Eta + row, mask=g_mask, other=0.0)
-        beta = tl.load(Beta + row, mask=g_mask, other=0.0)
-        log2_eta = (log_alpha - beta * tl.load(LogSteps + b)) * 1.4426950408889634
-        # log alpha = -inf (no fit) gives -inf: every key; eta >= 1 keeps none but the maximum.
-        thr = m + log2_eta + tl.math.log2(l)
-        thr = tl.where(log2_eta >= 0.0, float("inf"), thr)
     else:
-        eta = tl.load(Eta + row, mask=g_mask, other=1.0)
-        # p > eta  <=>  s2 > M + log2(eta) + log2(L). eta <= 0 keeps every key (log2 of a
-        # negative eta is NaN, which would keep none); eta >= 1 keeps none but the maximum
-        # (p <= 1), whatever the rounding of log2(L); NaN keeps the maximum only, as p > NaN.
-        thr = m + tl.math.log2(eta) + tl.math.log2(l)
-        thr = tl.where(eta <= 0.0, float("-inf"), thr)
-        thr = tl.where(eta >= 1.0, float("inf"), thr)
+        # p > eta  <=>  s2 > M + log2(eta) + log2(L). eta <= 0 (log alpha = -inf: no fit) keeps
+        # every key; eta >= 1 keeps none but the maximum (p <= 1), whatever the rounding of
+        # log2(L); NaN keeps the maximum only, as p > NaN.
+        if POWER_LAW:
+            log_alpha = tl.load(Eta + row, mask=g_mask, other=0.0)
+            beta = tl.load(Beta + row, mask=g_mask, other=0.0)
+            log2_eta = (log_alpha - beta * tl.load(LogSteps + b)) * 1.4426950408889634
+            at_least_one = log2_eta >= 0.0
+        else:
+            eta = tl.load(Eta + row, mask=g_mask, other=1.0)
+            log2_eta = tl.where(eta <= 0.0, float("-inf"), tl.math.log2(eta))  # log2 of eta < 0 is NaN
+            at_least_one = eta >= 1.0
+        thr = tl.where(at_least_one, float("inf"), m + log2_eta + tl.math.log2(l))
     return m, l, thr, amax
 
 
