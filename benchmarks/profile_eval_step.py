@@ -78,16 +78,16 @@ def main() -> None:
     ids = torch.randint(100, min(vocab, 30000), (args.batch, args.prompt), generator=torch.Generator().manual_seed(0)).to(args.device)
     result: dict = {"model": args.model, "batch": args.batch, "prompt": args.prompt, "new": args.new,
                     "device": torch.cuda.get_device_name() if args.device == "cuda" else args.device, "torch": torch.__version__, "methods": {}}
+    profiled_steps = min(args.new, 128)
     for method in args.methods:
         entry: dict = {}
         for compile in ([False, True] if method in args.compile else [False]):
             entry["compiled_ms_per_step" if compile else "ms_per_step"] = decode_ms_per_step(model, ids, method, args.new, compile)
-        entry["kernels"] = kernel_table(model, ids, method, min(args.new, 128), args.top)
+        entry["kernels"] = kernel_table(model, ids, method, profiled_steps, args.top)
         result["methods"][method] = entry
         print(f"== {method}: " + ", ".join(f"{k} {v:.2f}" for k, v in entry.items() if k != "kernels"))
-        steps = min(args.new, 128)
         for r in entry["kernels"]:
-            print(f"   {r['total_ms'] / steps:8.3f} ms/step {r['calls']:7d}  {r['name']}")
+            print(f"   {r['total_ms'] / profiled_steps:8.3f} ms/step {r['calls']:7d}  {r['name']}")
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))
 

@@ -70,10 +70,15 @@ class DecodeContext:
             return KeyRange(self.seq_lens, self.starts, self.steps, self.log_steps)
         ranges = self.windows.get(window)
         if ranges is None:  # first (eager) step: buffers that later steps and graph replays update
-            starts = torch.maximum(self.starts, self.seq_lens - window)
-            steps = self.seq_lens - starts
-            ranges = self.windows[window] = (starts, steps, steps.float().log())
+            ranges = self.windows[window] = (torch.empty_like(self.starts), torch.empty_like(self.steps),
+                                             torch.empty_like(self.log_steps))
+            self._fill_window(window, *ranges)
         return KeyRange(self.seq_lens, *ranges)
+
+    def _fill_window(self, window: int, starts: torch.Tensor, steps: torch.Tensor, log_steps: torch.Tensor) -> None:
+        torch.maximum(self.starts, self.seq_lens - window, out=starts)
+        torch.sub(self.seq_lens, starts, out=steps)
+        torch.log(steps.float(), out=log_steps)
 
     def advance(self) -> None:
         self.seq_lens += 1
@@ -81,10 +86,8 @@ class DecodeContext:
         self.counter += 1
         self.steps += 1
         torch.log(self.steps.float(), out=self.log_steps)
-        for window, (starts, steps, log_steps) in self.windows.items():
-            torch.maximum(self.starts, self.seq_lens - window, out=starts)
-            torch.sub(self.seq_lens, starts, out=steps)
-            torch.log(steps.float(), out=log_steps)
+        for window, ranges in self.windows.items():
+            self._fill_window(window, *ranges)
 
 
 def fast_path_problem(model: torch.nn.Module, method: Method) -> str | None:

@@ -1125,7 +1125,10 @@ def filter_pass(
     """
     B, Hq, Hkv, S, D = geo["B"], geo["Hq"], geo["Hkv"], geo["S"], geo["D"]
     power_law = isinstance(eta, PowerLawThreshold)
-    eta_arg, beta_arg, log_steps_arg = (eta if power_law else (eta if eta is not None else ws.mst, ws.mst, ws.mst))
+    if power_law:
+        eta_arg, beta_arg, log_steps_arg = eta
+    else:  # unused pointers get any float32 buffer
+        eta_arg, beta_arg, log_steps_arg = (eta if eta is not None else ws.mst), ws.mst, ws.mst
     dev = v_cache.device
     compact = cfg.compact and eta is not None
     fused = geo["fused"]

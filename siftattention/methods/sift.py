@@ -124,9 +124,13 @@ class Sift(Method):
             if phase == "fit":
                 self._fit(state, state.count >= self.warmup)
             return DecodeOutput(out, None, False)
-        threshold = PowerLawThreshold(state.log_alpha, state.beta, keys.log_steps())
-        out, kept = kernels.sparse(query, k_cache, v_cache, threshold, keys.seq_lens, keys.starts)
+        out, kept = kernels.sparse(query, k_cache, v_cache, self.power_law(state, keys), keys.seq_lens, keys.starts)
         return DecodeOutput(out, kept, state.fitted)
+
+    @staticmethod
+    def power_law(state: SiftState, keys: KeyRange) -> PowerLawThreshold:
+        """The threshold of one decode step by its parts (the Triton filter pass evaluates it itself)."""
+        return PowerLawThreshold(state.log_alpha, state.beta, keys.log_steps())
 
     @staticmethod
     def decode_threshold(state: SiftState, keys: KeyRange) -> torch.Tensor:
@@ -135,7 +139,7 @@ class Sift(Method):
         A row without a fit (a one-token prompt with warmup_source='prefill') has
         log alpha = -inf, so eta = 0 and it keeps every key.
         """
-        return PowerLawThreshold(state.log_alpha, state.beta, keys.log_steps()).eta()
+        return Sift.power_law(state, keys).eta()
 
     def observes_prefill(self) -> bool:
         return self.warmup_source == "prefill"
