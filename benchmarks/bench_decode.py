@@ -370,8 +370,10 @@ def run_tune_grid(args):
     if args.shapes:
         shapes = [tuple(map(int, x.split(","))) for x in args.shapes]
     base = td.config_for(torch.device(DEV))
-    dense_keys = {"block_nd", "warpsd", "stagesd", "programsd", "min_splitd", "residentd", "filld", "whole_wavesd", "warmup_dense", "quantile_block",
-                  "quantile_warps", "quantile_stages", "quantile_parallel", "programsq", "min_splitq", "residentq", "evict", "fill"}
+    dense_keys = {"block_nd", "warpsd", "stagesd", "programsd", "min_splitd", "residentd", "filld", "whole_wavesd", "wavesd", "warmup_dense", "quantile_block",
+                  "quantile_warps", "quantile_stages", "quantile_parallel", "programsq", "min_splitq", "residentq", "evict", "fill",
+                  "quantile_prefetch"}
+    scores_keys = {"block_n1", "warps1", "stages1", "programs1", "min_split1", "fill", "resident1", "waves1", "evict", "use_dot"}
     for (B, Hq, Hkv, S) in shapes:
         D, dt = 128, torch.float16
         sets = [make_inputs(B, Hq, Hkv, S, D, dt, args.logit_std, (args.group_corr or [0.0])[0], gen) for _ in range(args.sets)]
@@ -387,6 +389,11 @@ def run_tune_grid(args):
                 print("fail", kw, repr(e)[:300], flush=True)
                 continue
             res = dict(B=B, Hq=Hq, Hkv=Hkv, S=S, cfg=kw, sdpa_graph_ms=t_sdpa, splits=[kern.geometry[x] for x in ("ns1", "ns2", "nsd")])
+            if not kw or scores_keys & set(kw):
+                geo, ws, scale = kern.geometry, kern.workspace, D**-0.5
+                t = bench_graph(lambda q, k, v: td.scores_pass(geo, ws, q, k, scale, sl, None, cfg, False), sets)
+                ws.sync.zero_()  # the scores pass alone advanced the arrival counters
+                res["scores_pass"] = dict(ms=t, ratio=t / t_sdpa)
             dense_only = bool(kw) and set(kw) <= dense_keys - {"evict", "fill"}
             for j, sp in enumerate([] if dense_only else sps):
                 etas = [t[j][0] for t in ths]
@@ -405,12 +412,18 @@ def run_tune_grid(args):
                     q, k, v = sets[0]
                     derr = max(rel_err(kern.dense(q, k, v, sl)[b], ref_out64(q, k, v, torch.zeros(B, Hq, device=DEV), b)) for b in range(B))
                     res["dense"] = dict(err=derr, ms=(t := bench_graph(lambda q, k, v: kern.dense(q, k, v, sl), sets)), ratio=t / t_sdpa)
-                    res["warmup"] = dict(ms=(t := bench_graph(lambda q, k, v: kern.warmup(q, k, v, 0.875, sl), sets)), ratio=t / t_sdpa)
+                    _, theta = kern.warmup(q, k, v, 0.875, sl)
+                    th_ref = torch.stack([torch.quantile(torch.softmax(ref_scores64(q, k, b), -1), 0.875, dim=-1) for b in range(B)])
+                    qerr = float(((theta.double() - th_ref).abs() / th_ref).max())
+                    res["warmup"] = dict(ms=(t := bench_graph(lambda q, k, v: kern.warmup(q, k, v, 0.875, sl), sets)), ratio=t / t_sdpa,
+                                         theta_rel=qerr)
                 except Exception as e:  # noqa: BLE001
                     print("fail dense", kw, repr(e)[:300], flush=True)
             rows.append(res)
             cells = " ".join(f"s={sp}:{res[f'sift_{sp}']['ratio']:.3f}{'' if res[f'sift_{sp}']['ok'] else '!'}" for sp in sps if f"sift_{sp}" in res)
-            extra = "".join(f" {n}:{res[n]['ratio']:.3f}" for n in ("dense", "warmup") if n in res)
+            extra = "".join(f" {n}:{res[n]['ratio']:.3f}" for n in ("scores_pass", "dense", "warmup") if n in res)
+            if "warmup" in res:
+                extra += f" theta_rel:{res['warmup']['theta_rel']:.1e}"
             print(f"grid B={B} H={Hq}/{Hkv} S={S} {json.dumps(kw):60s} sdpa {t_sdpa:.4f} ms  {cells}{extra}", flush=True)
         del sets
         torch.cuda.empty_cache()

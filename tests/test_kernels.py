@@ -635,6 +635,13 @@ def _triton_worker() -> dict:
         tau_t = torch.full(q.shape[:2], tau, dtype=torch.float64)
         _, theta = sift_warmup_decode_triton(q, k, v, tau_t, 0.125, sl.int(), KernelConfig(**SMALL))
         res["exact"].append(dict(tau=tau, ulps=ulps(theta, ref_theta(q, k, 0.125, sl, tau))))
+    # One quantile program per row, with and without loading each pass's next tile ahead.
+    for prefetch in (True, False):
+        cfg = KernelConfig(**{**SMALL, "quantile_parallel": False, "quantile_prefetch": prefetch})
+        for tau in (0.1, 0.5, 0.99, 1.0):
+            tau_t = torch.full(q.shape[:2], tau, dtype=torch.float64)
+            _, theta = sift_warmup_decode_triton(q, k, v, tau_t, 0.125, sl.int(), cfg)
+            res["exact"].append(dict(tau=tau, prefetch=prefetch, ulps=ulps(theta, ref_theta(q, k, 0.125, sl, tau))))
     # The reused counters are back at zero after every call.
     res["sync_buffers"] = len(triton_decode._SYNC)
     res["sync_nonzero"] = sum(int(b.count_nonzero()) for b in triton_decode._SYNC.values())
@@ -718,7 +725,7 @@ def test_triton_warmup_matches_float64(triton_results):
 
 def test_triton_warmup_quantile_exact_scores(triton_results):
     rows = triton_results["exact"]
-    assert len(rows) == 5
+    assert len(rows) == 5 + 2 * 4
     for r in rows:
         assert math.isfinite(r["ulps"]) and r["ulps"] <= 8, r
 

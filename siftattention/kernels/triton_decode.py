@@ -93,8 +93,11 @@ class KernelConfig:
     # Programs of each kernel resident on one SM at once (registers / shared memory of the
     # default fp16 builds): small grids are sized to whole waves of these.
     resident1: int = 2
+    # Grids of at most this many waves are sized to a whole number of waves (``_splits``).
+    waves1: int = 4
     resident2: int = 4
     residentd: int = 3
+    wavesd: int = 4
     # Tensor-core dot for QK and PV (heads padded to 16). Triton pipelines the loads
     # that feed a dot through shared memory (cp.async), so this is the default even
     # for MHA; the elementwise path loads to registers without prefetch.
@@ -125,6 +128,9 @@ class KernelConfig:
     quantile_block: int = 4096
     quantile_warps: int = 8
     quantile_stages: int = 2
+    # One quantile program per row: each pass loads its next tile before it histograms the
+    # current one (H200, warmup step: GQA B = 8 / 16, S = 32768 1.82 -> 1.77x SDPA).
+    quantile_prefetch: bool = True
     # Row-parallel quantile (5 chunked passes + a finalize launch) instead of one program per
     # row: "auto" uses it when there are at most as many (batch, query head) rows as SMs
     # (H200, 32 heads: at B = 1 the warmup costs 2.6x SDPA with it and 3.9x without; at
@@ -195,14 +201,14 @@ def _pow2(n: int) -> int:
 
 
 def _splits(s_max: int, rows: int, block_n: int, programs_per_sm: int, sms: int, min_len: int, fill: int,
-            resident: int, whole_waves: bool = True) -> int:
+            resident: int, whole_waves: bool = True, max_waves: int = 4) -> int:
     """Number of splits per row for a cache of ``s_max`` keys.
 
     Aim for ``programs_per_sm`` programs per SM with splits of at least ``min_len``
     keys, but never fewer than ``fill`` programs per SM while the sequence allows
     (few rows, i.e. small batch or few KV heads, need short splits to fill the chip).
-    Grids of a few waves (``resident`` programs fit on an SM at once) are then sized to
-    a whole number of waves: 1.3 waves of short programs cost about as much as 2.
+    Grids of at most ``max_waves`` waves (``resident`` programs fit on an SM at once) are
+    then sized to a whole number of waves: 1.3 waves of short programs cost about as much as 2.
     ``whole_waves=False`` (the filter and dense passes): the fill rule rounds down, and a
     grid of less than one wave stays as it is.
     The kernels divide each row's valid range into this many splits at run time.
@@ -212,7 +218,7 @@ def _splits(s_max: int, rows: int, block_n: int, programs_per_sm: int, sms: int,
     want = max(1, want, _cdiv(fill * sms, rows) if whole_waves else (fill * sms) // rows)
     n = min(want, n_blocks)
     slots = resident * sms
-    if (whole_waves or rows * n >= slots) and rows * n <= 4 * slots:
+    if (whole_waves or rows * n >= slots) and rows * n <= max_waves * slots:
         waves = max(1, round(rows * n / slots))
         n = max(1, min(n_blocks, (waves * slots) // rows))
     return n
@@ -244,9 +250,9 @@ def _plan(
     block_n1, block_n2, block_nd = (max(16, n // shrink) for n in (cfg.block_n1, cfg_n2, cfg.block_nd))
     block_nb = max(16, (cfg_nb or cfg_n2) // shrink)
     stages_b = (cfg.stages_b_gqa if gqa else cfg.stages_b) or cfg.stages2
-    ns1 = _splits(S, rows, block_n1, cfg.programs1, sms, cfg.min_split1, cfg.fill, cfg.resident1)
+    ns1 = _splits(S, rows, block_n1, cfg.programs1, sms, cfg.min_split1, cfg.fill, cfg.resident1, True, cfg.waves1)
     ns2 = _splits(S, rows, block_n2, cfg.programs2, sms, cfg.min_split2, cfg.fill2, cfg.resident2, cfg.whole_waves2)
-    nsd = _splits(S, rows, block_nd, cfg.programsd, sms, cfg.min_splitd, cfg.filld, cfg.residentd, cfg.whole_wavesd)
+    nsd = _splits(S, rows, block_nd, cfg.programsd, sms, cfg.min_splitd, cfg.filld, cfg.residentd, cfg.whole_wavesd, cfg.wavesd)
     nq = _splits(S, B * Hq, 256, cfg.programsq, sms, cfg.min_splitq, cfg.fill, cfg.residentq)
     return dict(
         B=B, Hq=Hq, Hkv=Hkv, S=S, D=D, G=G, dtype=dtype, use_dot=cfg.use_dot,
@@ -828,11 +834,34 @@ def _ukey_float(key):
 
 
 @triton.jit
+def _first_tile(s_row, offs, n, PREFETCH: tl.constexpr):
+    """The first tile of scores, loaded ahead (PREFETCH), else a placeholder."""
+    if PREFETCH:
+        return tl.load(s_row + offs, mask=offs < n, other=0.0)
+    else:
+        return tl.zeros(offs.shape, tl.float32)
+
+
+@triton.jit
+def _next_tile(s_row, idx, n, ahead, BLOCK: tl.constexpr, PREFETCH: tl.constexpr):
+    """(tile loaded for the next iteration, this iteration's tile at ``idx``).
+
+    PREFETCH: this iteration's tile was loaded one iteration earlier and the next one is
+    issued before it is used, so the load's latency overlaps the histogram (Triton's
+    pipeliner does not stage loads that feed no dot).
+    """
+    if PREFETCH:
+        return tl.load(s_row + idx + BLOCK, mask=idx + BLOCK < n, other=0.0), ahead
+    else:
+        return ahead, tl.load(s_row + idx, mask=idx < n, other=0.0)
+
+
+@triton.jit
 def _quantile_kernel(
     Scores, Mst, Lst, Tau, SeqLens, Starts, Theta,
     S_MAX, NUM_SPLITS1,
     HQ: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S1: tl.constexpr,
-    HAS_SEQ_LENS: tl.constexpr, HAS_STARTS: tl.constexpr, STAGES: tl.constexpr,
+    HAS_SEQ_LENS: tl.constexpr, HAS_STARTS: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """theta = tau-quantile of one row's probabilities, torch.quantile's 'linear' rule.
 
@@ -865,10 +894,12 @@ def _quantile_kernel(
     for p in tl.static_range(4):
         shift = 24 - 8 * p  # constexpr: p is a static_range index
         hist = tl.zeros([256], tl.int32)
+        x = _first_tile(s_row, offs, n, PREFETCH)
         for n0 in tl.range(0, n, BLOCK, num_stages=STAGES):
             idx = n0 + offs
             valid = idx < n
-            u = _ukey(tl.load(s_row + idx, mask=valid, other=0.0))
+            x, cur = _next_tile(s_row, idx, n, x, BLOCK, PREFETCH)
+            u = _ukey(cur)
             if p > 0:
                 valid = valid & ((u >> (shift + 8)) == (prefix >> (shift + 8)))
             digit = ((u >> shift) & 0xFF).to(tl.int32)
@@ -883,10 +914,12 @@ def _quantile_kernel(
     t_hi = t
     if rank + 1 >= n_in:  # the (k+1)-th is not a tie with the k-th: least larger key
         nxt = tl.full([BLOCK], 0xFFFFFFFF, tl.uint32)
+        x = _first_tile(s_row, offs, n, PREFETCH)
         for n0 in tl.range(0, n, BLOCK, num_stages=STAGES):
             idx = n0 + offs
             valid = idx < n
-            u = _ukey(tl.load(s_row + idx, mask=valid, other=0.0))
+            x, cur = _next_tile(s_row, idx, n, x, BLOCK, PREFETCH)
+            u = _ukey(cur)
             nxt = tl.minimum(nxt, tl.where(valid & (u > t), u, 0xFFFFFFFF))
         nxt_t = tl.min(nxt, axis=0)
         t_hi = tl.where(nxt_t == 0xFFFFFFFF, t, nxt_t)  # none when k = n - 1
@@ -1094,7 +1127,8 @@ def quantile_pass(geo: dict, ws: Workspace, tau: torch.Tensor, seq_lens, starts,
         _quantile_kernel[(rows,)](
             ws.scores, mst, lst, tau, sl_arg, st_arg, theta, geo["S"], ns,
             HQ=geo["Hq"], BLOCK=cfg.quantile_block, BLOCK_S1=block_s,
-            HAS_SEQ_LENS=has_sl, HAS_STARTS=has_st, STAGES=cfg.quantile_stages, num_warps=cfg.quantile_warps,
+            HAS_SEQ_LENS=has_sl, HAS_STARTS=has_st, STAGES=cfg.quantile_stages,
+            PREFETCH=cfg.quantile_prefetch, num_warps=cfg.quantile_warps,
         )
         return theta
     try:
