@@ -250,9 +250,10 @@ def _plan(
     block_n1, block_n2, block_nd = (max(16, n // shrink) for n in (cfg.block_n1, cfg_n2, cfg.block_nd))
     block_nb = max(16, (cfg_nb or cfg_n2) // shrink)
     stages_b = (cfg.stages_b_gqa if gqa else cfg.stages_b) or cfg.stages2
-    ns1 = _splits(S, rows, block_n1, cfg.programs1, sms, cfg.min_split1, cfg.fill, cfg.resident1, True, cfg.waves1)
+    ns1 = _splits(S, rows, block_n1, cfg.programs1, sms, cfg.min_split1, cfg.fill, cfg.resident1, max_waves=cfg.waves1)
     ns2 = _splits(S, rows, block_n2, cfg.programs2, sms, cfg.min_split2, cfg.fill2, cfg.resident2, cfg.whole_waves2)
-    nsd = _splits(S, rows, block_nd, cfg.programsd, sms, cfg.min_splitd, cfg.filld, cfg.residentd, cfg.whole_wavesd, cfg.wavesd)
+    nsd = _splits(S, rows, block_nd, cfg.programsd, sms, cfg.min_splitd, cfg.filld, cfg.residentd, cfg.whole_wavesd,
+                  max_waves=cfg.wavesd)
     nq = _splits(S, B * Hq, 256, cfg.programsq, sms, cfg.min_splitq, cfg.fill, cfg.residentq)
     return dict(
         B=B, Hq=Hq, Hkv=Hkv, S=S, D=D, G=G, dtype=dtype, use_dot=cfg.use_dot,
