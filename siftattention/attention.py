@@ -27,7 +27,10 @@ class LayerRecord:
     kept: list[torch.Tensor] = field(default_factory=list)  # [B, H, R] keys kept
     approx: list[torch.Tensor] = field(default_factory=list)  # [B, R] approximated (post-warmup) rows
 
-    def add(self, steps: torch.Tensor, kept: torch.Tensor, approx: torch.Tensor) -> None:
+    def add(self, steps: torch.Tensor, kept: torch.Tensor, approx: torch.Tensor | bool) -> None:
+        """``steps`` [B, R], ``kept`` [B, H, R], ``approx`` [B, R] bool or one bool for every row."""
+        if isinstance(approx, bool):
+            approx = torch.full_like(steps, approx, dtype=torch.bool)
         # Kept on the tensors' device: a copy to the host here would stall every decode step.
         self.steps.append(steps.detach().int())
         self.kept.append(kept.detach().int())
@@ -35,39 +38,74 @@ class LayerRecord:
 
 
 class StepRecord:
-    """A ``LayerRecord`` for captured decode loops: preallocated per-step buffers written at a device index.
+    """One layer's record in a ``StepLog``: ``add`` keeps the step's tensors for the log's ``flush``."""
 
-    ``add`` writes step ``counter`` (a [1] int64 device tensor the loop advances) without
-    any host-side bookkeeping, so it can be replayed from a CUDA graph; ``finish(n)``
+    def __init__(self) -> None:
+        self.pending: tuple[torch.Tensor, torch.Tensor, torch.Tensor | bool] | None = None
+        self.steps: list[torch.Tensor] = []
+        self.kept: list[torch.Tensor] = []
+        self.approx: list[torch.Tensor] = []
+
+    def add(self, steps: torch.Tensor, kept: torch.Tensor, approx: torch.Tensor | bool) -> None:
+        """``steps`` [B, 1], ``kept`` [B, H, 1], ``approx`` [B, 1] bool or one bool for every row."""
+        self.pending = (steps[:, 0], kept[:, :, 0], approx if isinstance(approx, bool) else approx[:, 0])
+
+
+class StepLog:
+    """Every layer's decode records of a captured loop, in preallocated buffers written once a step.
+
+    Each layer's ``StepRecord`` only holds its call's tensors; ``flush``, run by the loop
+    after the whole step, writes all layers' rows at the device index ``counter`` (a [1]
+    int64 tensor the loop advances): a few launches a step instead of three per layer,
+    and no host bookkeeping, so the step replays from a CUDA graph. ``finish(n)``
     exposes the first ``n`` steps through ``LayerRecord``'s lists.
     """
 
     def __init__(self, max_steps: int, counter: torch.Tensor) -> None:
         self.max_steps = max(1, max_steps)
         self.counter = counter
-        self._steps: torch.Tensor | None = None
-        self.steps: list[torch.Tensor] = []
-        self.kept: list[torch.Tensor] = []
-        self.approx: list[torch.Tensor] = []
+        self.records: dict[int, StepRecord] = {}
+        self._buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # [T, L, B], [T, L, B, H], [T, L, B]
+        self._rows: dict[tuple[bool, int], torch.Tensor] = {}  # constant approx rows
 
-    def add(self, steps: torch.Tensor, kept: torch.Tensor, approx: torch.Tensor) -> None:
-        if self._steps is None:  # sized by the first (eager) step, before any capture
-            B, H = kept.shape[:2]
-            self._steps = torch.zeros(self.max_steps, B, dtype=torch.int32, device=kept.device)
-            self._kept = torch.zeros(self.max_steps, B, H, dtype=torch.int32, device=kept.device)
-            self._approx = torch.zeros(self.max_steps, B, dtype=torch.bool, device=kept.device)
-        self._steps.index_copy_(0, self.counter, steps[:, 0].int()[None])
-        self._kept.index_copy_(0, self.counter, kept[:, :, 0].int()[None])
-        self._approx.index_copy_(0, self.counter, approx[:, 0].bool()[None])
+    def record(self, layer: int) -> StepRecord:
+        record = self.records[layer] = StepRecord()
+        return record
+
+    def _approx_row(self, value: bool, like: torch.Tensor) -> torch.Tensor:
+        # Formed by the first (eager) step of a phase, so a captured step never fills it again.
+        key = (value, like.shape[0])
+        if key not in self._rows:
+            self._rows[key] = torch.full((like.shape[0],), value, dtype=torch.bool, device=like.device)
+        return self._rows[key]
+
+    def flush(self) -> None:
+        layers = [layer for layer in sorted(self.records) if self.records[layer].pending is not None]
+        if not layers:
+            return
+        rows = [self.records[layer].pending for layer in layers]
+        for layer in layers:
+            self.records[layer].pending = None
+        steps = torch.stack([r[0].int() for r in rows])
+        kept = torch.stack([r[1].int() for r in rows])  # the layers of one model share B and H
+        approx = torch.stack([self._approx_row(r[2], r[0]) if isinstance(r[2], bool) else r[2].bool() for r in rows])
+        if self._buffers is None:  # sized by the first (eager) step, before any capture
+            self._layers = layers
+            self._buffers = tuple(torch.zeros(self.max_steps, *t.shape, dtype=t.dtype, device=t.device) for t in (steps, kept, approx))
+        if layers != self._layers:
+            raise RuntimeError(f"decode step recorded layers {layers}, the first step {self._layers}")
+        for buffer, value in zip(self._buffers, (steps, kept, approx)):
+            buffer.index_copy_(0, self.counter, value[None])
 
     def finish(self, n: int) -> None:
-        """Expose the first ``n`` recorded steps as ``LayerRecord``-style lists."""
-        if self._steps is None or n <= 0:
-            self.steps, self.kept, self.approx = [], [], []
-            return
-        self.steps = [self._steps[:n].T]
-        self.kept = [self._kept[:n].permute(1, 2, 0)]
-        self.approx = [self._approx[:n].T]
+        """Expose the first ``n`` recorded steps of every layer as ``LayerRecord``-style lists."""
+        for layer, record in self.records.items():
+            if self._buffers is None or n <= 0 or layer not in self._layers:
+                record.steps, record.kept, record.approx = [], [], []
+                continue
+            i = self._layers.index(layer)
+            steps, kept, approx = (buffer[:n, i] for buffer in self._buffers)
+            record.steps, record.kept, record.approx = [steps.T], [kept.permute(1, 2, 0)], [approx.T]
 
 
 def valid_keys(mask: torch.Tensor | None, q_len: int, k_len: int, batch: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:

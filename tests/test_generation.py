@@ -74,6 +74,10 @@ def test_fast_path_matches_the_reference_path(factory, method):
     if isinstance(method, Sift):
         for attr in ("alpha", "beta", "thetas"):
             assert torch.allclose(getattr(res.stats, attr), getattr(ref_stats, attr), rtol=1e-5, atol=1e-7), attr
+        # The fit runs once, after the last warmup step of every layer, and is timed apart.
+        phases = res.timings["phases"]
+        assert (phases["warmup"]["steps"], phases["after_warmup"]["steps"]) == (method.warmup, 1)
+        assert phases["sparse"]["steps"] == NEW - 1 - method.warmup
 
 
 class _KeepAllSift(Sift):

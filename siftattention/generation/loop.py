@@ -4,9 +4,10 @@ The shape of gpt-fast's ``generate.py``: ``prefill`` runs the prompt once; ``dec
 runs the whole model on one token per sequence and picks the next token, all on the
 device (positions, cache write position, valid key ranges, the method's state and
 the per-step statistics are device tensors it updates in place). On CUDA each
-distinct method phase (for Sift: warmup, the fitting step, sparse) is captured once as
+distinct method phase (for Sift: warmup, sparse) is captured once as
 a CUDA graph and replayed, so a token costs no Python and no launch per layer; on the
-CPU the same step runs eagerly. Left-padded batches are served by per-row start
+CPU the same step runs eagerly. Work that follows one step of every layer (Sift's fit
+after the warmup) runs once after that step, eagerly, as one batched call. Left-padded batches are served by per-row start
 offsets: every row writes its token at the same cache position.
 """
 
@@ -20,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ..attention import StepRecord
+from ..attention import StepLog
 from ..hf import SiftHandle, SiftStats, apply
 from ..methods import Full
 from ..methods.base import KeyRange, Method
@@ -195,6 +196,7 @@ class _Loop:
         if output_scores:
             vocab = model.get_output_embeddings().weight.shape[0]
             self.scores = torch.zeros(self.B, self.T, vocab, dtype=torch.float32, device=self.device)
+        self.log = StepLog(self.T - 1, self.ctx.counter)
         self.graphs: dict[str, torch.cuda.CUDAGraph] = {}
         self.seen: set[str] = set()
 
@@ -214,7 +216,7 @@ class _Loop:
         self._emit(logits, torch.zeros(1, dtype=torch.long, device=self.device))
         self.cache.position.tensor = self.ctx.write_pos
         for layer in self.handle.records:
-            self.handle.records[layer] = StepRecord(self.T - 1, self.ctx.counter)
+            self.handle.records[layer] = self.log.record(layer)
 
     def _emit(self, logits: torch.Tensor, index: torch.Tensor) -> None:
         """Pick and store the new token of every row at ``index`` (device); after a row's EOS the pad token."""
@@ -235,13 +237,25 @@ class _Loop:
         if "cache_position" in self.accepts:
             kwargs["cache_position"] = self.ctx.write_pos
         logits = self.forward(input_ids=self.tokens[:, None], **kwargs).logits[:, -1]
+        self.log.flush()
         self._emit(logits, self.ctx.counter + 1)
         self.positions += 1
         self.ctx.advance()
 
-    def decode(self, step: int) -> None:
+    def decode(self, step: int, clock: "_PhaseClock | None" = None) -> None:
+        """Decode step ``step`` (its phase's graph), then the method's work after the whole step."""
         self.ctx.step = step
         phase = self.handle.method.decode_phase(step)
+        if clock is not None:
+            clock.mark(phase)
+        self._run(phase)
+        # Work that follows a whole step (Sift's fit after its warmup) runs once, eagerly, timed apart.
+        if clock is not None:
+            clock.mark(f"after_{phase}")
+        if not self.handle.end_decode_step(step) and clock is not None:
+            clock.marks.pop()
+
+    def _run(self, phase: str) -> None:
         graph = self.graphs.get(phase)
         if graph is not None:
             graph.replay()
@@ -356,8 +370,7 @@ def generate(
             for step in range(max_new_tokens - 1):
                 if loop.eos is not None and step % check_every == 0 and bool(loop.done.all()):
                     break
-                clock.mark(method.decode_phase(step))
-                loop.decode(step)
+                loop.decode(step, clock)
                 steps += 1
             clock.mark(None)
             sync()
@@ -368,9 +381,7 @@ def generate(
     num = torch.minimum(loop.finished_at + 1, torch.full_like(loop.finished_at, max_new_tokens))
     # Steps after every row had finished are not part of the result (transformers stops there too).
     used = int(num.max()) - 1
-    for record in handle.records.values():
-        if isinstance(record, StepRecord):
-            record.finish(min(steps, used))
+    loop.log.finish(min(steps, used))
     new = loop.out[:, : used + 1]
     return GenerationResult(
         sequences=torch.cat([input_ids, new], dim=1), new_tokens=new, num_generated=num, stats=handle.stats, fast=True,

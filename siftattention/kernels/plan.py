@@ -109,6 +109,7 @@ class DecodeKernels:
         self.backend = backend
         self.batch, self.q_heads, self.kv_heads, self.max_len, self.head_dim = batch, q_heads, kv_heads, max_len, head_dim
         self.dtype, self.device, self.scale, self.renormalize = dtype, device, scale, renormalize
+        self._taus: dict[float, torch.Tensor] = {}  # a float tau as the [B, Hq] tensor the kernels read
         if backend == "triton":
             from . import triton_decode as td
 
@@ -194,7 +195,9 @@ class DecodeKernels:
         if isinstance(tau, torch.Tensor):
             tau_t = tau.to(torch.float64).contiguous()
         else:
-            tau_t = torch.full((self.batch, self.q_heads), float(tau), dtype=torch.float64, device=self.device)
+            tau_t = self._taus.get(float(tau))
+            if tau_t is None:  # filled once (the first, eager step), never inside a captured step
+                tau_t = self._taus[float(tau)] = torch.full((self.batch, self.q_heads), float(tau), dtype=torch.float64, device=self.device)
         if self.backend == "triton":
             return self._td.warmup(self.geometry, self.workspace, q, k_cache, v_cache, tau_t, self.scale, seq_lens,
                                    starts, self.config)

@@ -8,7 +8,7 @@ key is kept when its probability exceeds the predicted eta_S = alpha * S^-beta.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 import torch
@@ -108,24 +108,38 @@ class Sift(Method):
         return Selection(keep=keep, approx=approx)
 
     def decode_phase(self, step: int) -> str:
-        """'warmup' for the first ``warmup`` decoded tokens ('fit' for the last of them), then 'sparse'."""
+        """'warmup' for the first ``warmup`` decoded tokens, then 'sparse'."""
         if self.warmup_source == "decode" and step < self.warmup:
-            return "fit" if step == self.warmup - 1 else "warmup"
+            return "warmup"
         return "sparse"
 
     def decode_step(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, keys: KeyRange, state: SiftState, phase: str, kernels: Any) -> DecodeOutput:
-        if phase in ("warmup", "fit"):
+        if phase == "warmup":
             out, theta = kernels.warmup(query, k_cache, v_cache, self.tau, keys.seq_lens, keys.starts)
             # Decode steps run in lockstep over the batch, so one slot index serves every row.
             slot = state.count[:1]
             state.thetas.index_copy_(2, slot, theta[:, :, None].float())
             state.theta_steps.index_copy_(1, slot, keys.steps().float()[:, None])
             state.count += 1
-            if phase == "fit":
-                self._fit(state, state.count >= self.warmup)
             return DecodeOutput(out, None, False)
         out, kept = kernels.sparse(query, k_cache, v_cache, self.power_law(state, keys), keys.seq_lens, keys.starts)
         return DecodeOutput(out, kept, state.fitted)
+
+    def end_decode_step(self, step: int, states: list[SiftState]) -> bool:
+        """After the last warmup step: fit every layer's power law, layers of one shape in one batched fit."""
+        if self.warmup_source != "decode" or step != self.warmup - 1 or not states:
+            return False
+        groups: dict[tuple, list[SiftState]] = {}
+        for state in states:
+            groups.setdefault((tuple(state.thetas.shape), state.thetas.device), []).append(state)
+        for group in groups.values():
+            # The layers' rows side by side: one fit of [layers * B] rows.
+            joined = SiftState(*(torch.cat([getattr(s, f.name) for s in group]) for f in fields(SiftState)))
+            self._fit(joined, joined.count >= self.warmup)
+            batch = group[0].count.shape[0]
+            for name in ("fitted", "beta", "r2", "log_alpha"):
+                torch._foreach_copy_([getattr(s, name) for s in group], list(getattr(joined, name).split(batch)))
+        return True
 
     @staticmethod
     def power_law(state: SiftState, keys: KeyRange) -> PowerLawThreshold:
