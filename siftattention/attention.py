@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.nn.attention.bias import causal_lower_right
 
 from .methods.base import KeyRange, Method, Rows
 
@@ -140,12 +141,17 @@ def exact_attention(
 
     Rows without any valid key (left padding) attend to every key instead of producing
     NaN; their outputs are never attended to by real tokens. ``causal=True`` says that
-    ``valid`` is exactly the causal mask of a square block (checked by the caller): SDPA
-    then runs its causal kernel with no mask, which is faster than a masked one.
+    ``valid`` is exactly the causal mask, aligned to the last key (``is_causal_block``,
+    checked by the caller): SDPA then runs its causal kernel with no mask, which is
+    faster than a masked one; a chunk of a prompt after earlier chunks (fewer queries
+    than keys) runs the lower-right causal variant.
     """
     gqa = query.shape[1] != key.shape[1]
     if causal:
-        return torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=gqa)
+        Q, K = query.shape[-2], key.shape[-2]
+        mask = None if Q == K else causal_lower_right(Q, K)
+        return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=mask is None,
+                                                                scale=scaling, enable_gqa=gqa)
     mask = valid | ~valid.any(dim=-1, keepdim=True)
     if bias is not None:
         mask = torch.where(mask, bias.to(query.dtype), torch.finfo(query.dtype).min)
@@ -153,11 +159,13 @@ def exact_attention(
 
 
 def is_causal_block(valid: torch.Tensor) -> bool:
-    """Whether a [B, 1, Q, K] validity mask is exactly causal with Q == K (no padding, no window). One host sync."""
+    """Whether a [B, 1, Q, K] validity mask is exactly causal, aligned to the last key: query i
+    sees keys ``<= K - Q + i`` (the last Q rows of a causal K x K block; no padding, no window).
+    One host sync."""
     Q, K = valid.shape[-2:]
-    if Q != K:
+    if Q > K:
         return False
-    causal = torch.ones(Q, K, dtype=torch.bool, device=valid.device).tril()
+    causal = torch.ones(Q, K, dtype=torch.bool, device=valid.device).tril(K - Q)
     return bool((valid == causal).all())
 
 

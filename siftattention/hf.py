@@ -259,8 +259,12 @@ class SiftHandle:
         B, Hq, Q, D = query.shape
         scaling = D**-0.5 if scaling is None else scaling
         decoding = self.decoding or self.context is not None
+        # The fast loop says when its prompt is being written (a last prompt chunk may be one token).
+        in_prompt = self.context.prefilling if self.context is not None else Q > 1
         self.last_batch = B
-        if self.method.always_exact and not (self.context is not None and Q == 1):
+        if self.method.always_exact and not (self.context is not None and not in_prompt):
+            if self._causal_chunk(attention_mask, query, key, dropout, kwargs):
+                return exact_attention(query, key, value, attention_mask, scaling=scaling, causal=True).transpose(1, 2).contiguous(), None
             return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
         layer = self._layer_index(module)
         if key.shape[2] == Q or layer not in self.records or self._batch.get(layer) != B:
@@ -270,13 +274,13 @@ class SiftHandle:
             self._batch[layer] = B
             self._decoded[layer] = 0
         state = self.states[layer]
-        if decoding and Q == 1:
+        if decoding and not in_prompt:
             out = self._decode(layer, module, state, query, key, value, attention_mask, scaling, kwargs)
             if out is not None:
                 return out
         K = key.shape[2]
         valid, bias = valid_keys(attention_mask, Q, K, B, query.device)
-        prefill = decoding and Q > 1
+        prefill = decoding and in_prompt
         softcap = kwargs.get("softcap")
         if prefill:
             # One sync per layer and prompt: can later steps describe their keys as one range per row?
@@ -296,6 +300,16 @@ class SiftHandle:
         elif decoding:
             self._decoded[layer] += 1
         return out.transpose(1, 2).contiguous(), None
+
+    def _causal_chunk(self, attention_mask: torch.Tensor | None, query: torch.Tensor, key: torch.Tensor, dropout: float, kwargs: dict) -> bool:
+        """A prompt chunk after earlier chunks whose mask is plain causal: transformers would
+        materialise it for SDPA's masked kernel, the lower-right causal kernel needs none."""
+        Q, K = query.shape[2], key.shape[2]
+        if not 1 < Q < K or dropout or kwargs.get("softcap") is not None or attention_mask is None:
+            return False
+        if attention_mask.dtype != torch.bool or attention_mask.dim() != 4 or attention_mask.shape[-2:] != (Q, K):
+            return False
+        return self._is_causal(attention_mask, attention_mask)
 
     def _is_causal(self, attention_mask: torch.Tensor | None, valid: torch.Tensor) -> bool:
         """``is_causal_block(valid)``, checked once per mask: every layer of a forward gets the same mask tensor."""

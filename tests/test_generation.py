@@ -80,6 +80,18 @@ def test_fast_path_matches_the_reference_path(factory, method):
         assert phases["sparse"]["steps"] == NEW - 1 - method.warmup
 
 
+@pytest.mark.parametrize("method", [Full(), Sift(tau=0.6, warmup=4)], ids=["full", "sift"])
+def test_a_chunked_prefill_gives_the_unchunked_tokens(method):
+    """Prompt chunks after the first run the lower-right causal kernel (no padding) or the mask (padding)."""
+    model = _model(tiny_llama)
+    ids, mask = _left_padded_batch(seed=7)
+    for m in (mask, torch.ones_like(mask)):
+        whole = generate(model, ids, m, method, max_new_tokens=8, eos_token_id=-1, output_scores=True)
+        chunked = generate(model, ids, m, method, max_new_tokens=8, eos_token_id=-1, output_scores=True, prefill_chunk=4)
+        assert torch.equal(chunked.sequences, whole.sequences)
+        assert (chunked.scores.log_softmax(-1) - whole.scores.log_softmax(-1)).abs().max().item() <= 1e-4
+
+
 class _KeepAllSift(Sift):
     """Sift whose fitted threshold is 0 (alpha = 0), so every key passes the filter."""
 

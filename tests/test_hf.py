@@ -296,6 +296,23 @@ def test_is_causal_block():
     padded = causal.clone()
     padded[1, :, :, 0] = False
     assert not is_causal_block(padded)
-    assert not is_causal_block(torch.ones(5, 7, dtype=torch.bool).tril(2)[None, None])  # a chunk after a prefix
+    chunk = torch.ones(5, 7, dtype=torch.bool).tril(2)[None, None]  # a chunk of 5 after a prefix of 2
+    assert is_causal_block(chunk)
+    assert not is_causal_block(torch.ones(5, 7, dtype=torch.bool).tril(1)[None, None])  # misaligned
+    assert not is_causal_block(torch.ones(7, 5, dtype=torch.bool).tril()[None, None])
     window = causal & ~torch.ones(5, 5, dtype=torch.bool).tril(-3)  # a sliding window of 3
     assert not is_causal_block(window)
+
+
+def test_exact_attention_of_a_causal_chunk_matches_float64():
+    """A chunk of queries after earlier keys: the lower-right causal kernel against a float64 masked softmax."""
+    from siftattention.attention import exact_attention
+
+    g = torch.Generator().manual_seed(4)
+    B, Hq, Hkv, Q, K, D = 2, 4, 2, 5, 13, 16
+    q, k, v = (torch.randn(B, h, n, D, generator=g) for h, n in ((Hq, Q), (Hkv, K), (Hkv, K)))
+    valid = torch.ones(Q, K, dtype=torch.bool).tril(K - Q)
+    out = exact_attention(q, k, v, valid[None, None], scaling=0.3, causal=True)
+    k64, v64 = (t.double().repeat_interleave(Hq // Hkv, 1) for t in (k, v))
+    p = (0.3 * q.double() @ k64.transpose(-1, -2)).masked_fill(~valid, float("-inf")).softmax(-1)
+    torch.testing.assert_close(out.double(), p @ v64, rtol=1e-5, atol=1e-6)

@@ -57,6 +57,7 @@ class DecodeContext:
     def __init__(self, starts: torch.Tensor, prompt_len: int) -> None:
         device = starts.device
         self.step = 0  # host index of the decode step being run or captured (selects the method phase)
+        self.prefilling = True  # the prompt is being written (its chunks are exact attention, not decode steps)
         self.starts = starts.int()  # [B] first real token of each row (left padding)
         self.seq_lens = torch.full_like(self.starts, prompt_len + 1)  # keys visible to the token being decoded
         self.write_pos = torch.full((1,), prompt_len, dtype=torch.long, device=device)
@@ -212,6 +213,7 @@ class _Loop:
             if "cache_position" in self.accepts:
                 kwargs["cache_position"] = torch.arange(a, b, device=self.device)
             logits = self.model(input_ids=input_ids[:, a:b], **kwargs).logits[:, -1]
+        self.ctx.prefilling = False
         self.positions.copy_(positions[:, -1] + 1)
         self._emit(logits, torch.zeros(1, dtype=torch.long, device=self.device))
         self.cache.position.tensor = self.ctx.write_pos
