@@ -333,8 +333,8 @@ class SiftHandle:
             keys = _key_range(attention_mask, key.shape[2], query.shape[0], query.device)
         kernels = self._plan(query, key, scaling)
         res = self.method.decode_step(query[:, :, 0], key, value, keys, state, phase, kernels)
-        if self.context is None:  # the fast loop ends each step once, for all layers
-            self.method.end_decode_step(step, [state])
+        if self.context is None and self.method.decode_phase(step + 1) != phase:  # the fast loop ends phases for all layers
+            self.method.end_decode_phase(phase, [state])
         B, Hq = query.shape[:2]
         steps = keys.steps()
         kept = res.kept if res.kept is not None else steps[:, None].expand(B, Hq)
@@ -344,9 +344,9 @@ class SiftHandle:
         self._decoded[layer] += 1
         return res.out[:, None], None
 
-    def end_decode_step(self, step: int) -> bool:
-        """The method's work after decode step ``step`` of every layer (the fast loop calls it); whether any ran."""
-        return self.method.end_decode_step(step, [self.states[layer] for layer in sorted(self.states)])
+    def end_decode_phase(self, phase: str) -> None:
+        """The method's work after the last step of ``phase`` in every layer (the fast loop calls it)."""
+        self.method.end_decode_phase(phase, [self.states[layer] for layer in sorted(self.states)])
 
     def _plan(self, query: torch.Tensor, key: torch.Tensor, scaling: float) -> Any:
         """The kernels for this shape, planned once (scratch buffers and launch plan) and reused."""

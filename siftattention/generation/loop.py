@@ -6,9 +6,10 @@ device (positions, cache write position, valid key ranges, the method's state an
 the per-step statistics are device tensors it updates in place). On CUDA each
 distinct method phase (for Sift: warmup, sparse) is captured once as
 a CUDA graph and replayed, so a token costs no Python and no launch per layer; on the
-CPU the same step runs eagerly. Work that follows one step of every layer (Sift's fit
-after the warmup) runs once after that step, eagerly, as one batched call. Left-padded batches are served by per-row start
-offsets: every row writes its token at the same cache position.
+CPU the same step runs eagerly. Work that follows a whole phase (Sift's fit after the
+warmup) runs once after the phase's last step, eagerly, as one batched call.
+Left-padded batches are served by per-row start offsets: every row writes its token
+at the same cache position.
 """
 
 from __future__ import annotations
@@ -245,17 +246,18 @@ class _Loop:
         self.ctx.advance()
 
     def decode(self, step: int, clock: "_PhaseClock | None" = None) -> None:
-        """Decode step ``step`` (its phase's graph), then the method's work after the whole step."""
+        """Decode step ``step`` (its phase's graph); after a phase's last step, the method's work for it."""
         self.ctx.step = step
-        phase = self.handle.method.decode_phase(step)
+        method = self.handle.method
+        phase = method.decode_phase(step)
         if clock is not None:
             clock.mark(phase)
         self._run(phase)
-        # Work that follows a whole step (Sift's fit after its warmup) runs once, eagerly, timed apart.
-        if clock is not None:
-            clock.mark(f"after_{phase}")
-        if not self.handle.end_decode_step(step) and clock is not None:
-            clock.marks.pop()
+        if method.decode_phase(step + 1) != phase:
+            # Work that follows a whole phase (Sift's fit after its warmup) runs once, eagerly, timed apart.
+            if clock is not None:
+                clock.mark(f"after_{phase}")
+            self.handle.end_decode_phase(phase)
 
     def _run(self, phase: str) -> None:
         graph = self.graphs.get(phase)

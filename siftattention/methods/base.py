@@ -146,14 +146,12 @@ class Method:
         """
         raise NotImplementedError(f"{self.name} has no decode step")
 
-    def end_decode_step(self, step: int, states: list[Any]) -> bool:
-        """Called once decode step ``step`` has run in every layer, with those layers' states.
+    def end_decode_phase(self, phase: str, states: list[Any]) -> None:
+        """Called once the last step of decode phase ``phase`` has run in every layer, with those layers' states.
 
-        Work that follows a whole step rather than one layer (Sift fits its power law
-        after its last warmup step) runs here, on the device, without a host
-        synchronisation. Returns whether it launched any work (the fast loop times it).
+        Work that follows a whole phase rather than one layer's step (Sift fits its power
+        law after its warmup) runs here, on the device, without a host synchronisation.
         """
-        return False
 
     def select(self, rows: Rows, state: Any) -> Selection:
         raise NotImplementedError

@@ -125,10 +125,10 @@ class Sift(Method):
         out, kept = kernels.sparse(query, k_cache, v_cache, self.power_law(state, keys), keys.seq_lens, keys.starts)
         return DecodeOutput(out, kept, state.fitted)
 
-    def end_decode_step(self, step: int, states: list[SiftState]) -> bool:
-        """After the last warmup step: fit every layer's power law, layers of one shape in one batched fit."""
-        if self.warmup_source != "decode" or step != self.warmup - 1 or not states:
-            return False
+    def end_decode_phase(self, phase: str, states: list[SiftState]) -> None:
+        """After the warmup: fit every layer's power law, layers of one shape in one batched fit."""
+        if phase != "warmup":
+            return
         groups: dict[tuple, list[SiftState]] = {}
         for state in states:
             groups.setdefault((tuple(state.thetas.shape), state.thetas.device), []).append(state)
@@ -139,7 +139,6 @@ class Sift(Method):
             batch = group[0].count.shape[0]
             for name in ("fitted", "beta", "r2", "log_alpha"):
                 torch._foreach_copy_([getattr(s, name) for s in group], list(getattr(joined, name).split(batch)))
-        return True
 
     @staticmethod
     def power_law(state: SiftState, keys: KeyRange) -> PowerLawThreshold:
