@@ -642,6 +642,7 @@ def _triton_worker() -> dict:
             tau_t = torch.full(q.shape[:2], tau, dtype=torch.float64)
             _, theta = sift_warmup_decode_triton(q, k, v, tau_t, 0.125, sl.int(), cfg)
             res["exact"].append(dict(tau=tau, prefetch=prefetch, ulps=ulps(theta, ref_theta(q, k, 0.125, sl, tau))))
+    res["radix"] = radix_select_results()
     # The reused counters are back at zero after every call.
     res["sync_buffers"] = len(triton_decode._SYNC)
     res["sync_nonzero"] = sum(int(b.count_nonzero()) for b in triton_decode._SYNC.values())
@@ -666,6 +667,70 @@ def _triton_worker() -> dict:
     # Interleaved filter splits with ragged starts and lengths.
     res["plan_interleaved"] = plan_results("cpu", "triton", PLAN_CASES, KernelConfig(**{**SMALL, "interleave2": 8}))
     return res
+
+
+def crafted_score_rows(gen) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Scores [2, 4, 61] whose order statistics sit where the radix select branches, with taus and seq_lens.
+
+    Around 2**16 a float32 step is 2**-7, so a neighbouring order statistic moves p by 0.5%:
+    consecutive floats (the next key in the k-th key's last-digit bucket), keys 256 steps
+    apart (in the next 24-bit bucket), all ties, tie groups, negatives, signed zeros, a
+    random row with tau = 1 (no next key) and keys spread over many 16-bit buckets.
+    Positions past a row's length hold NaN, which no pass may read.
+    """
+    S, base, step = 61, 2.0**16, 2.0**-7
+    j = torch.arange(S, dtype=torch.float64)
+
+    def shuffled(x):
+        return x[torch.randperm(x.numel(), generator=gen)]
+
+    rows = [
+        shuffled(base + step * j),
+        shuffled(base + 256 * step * j),
+        torch.full((S,), base, dtype=torch.float64),
+        shuffled(base + step * torch.div(j, 5, rounding_mode="floor")),
+        shuffled(-base - step * j),
+        torch.tensor([-0.0, 0.0, 1e-3, -1e-3, 2.5], dtype=torch.float64)[torch.randint(0, 5, (S,), generator=gen)],
+        torch.randn(S, generator=gen, dtype=torch.float64) * 4,
+        base + step * torch.randint(0, 40000, (S,), generator=gen).double(),
+    ]
+    scores = torch.stack(rows).float().reshape(2, 4, S)
+    seq_lens = torch.tensor([S, 29])
+    scores[1, :, 29:] = float("nan")
+    tau = torch.tensor([[0.875, 0.5, 0.3, 0.875], [0.1, 0.6, 1.0, 0.875]], dtype=torch.float64)
+    return scores, tau, seq_lens
+
+
+def radix_select_results() -> list[dict]:
+    """The radix select alone on crafted scores: theta against float64 torch.quantile, and the
+    histogram state left for the next call, for both kernel forms and every atomic-pass choice."""
+    from siftattention.kernels import triton_decode as td
+
+    gen = torch.Generator().manual_seed(5)
+    scores, tau, seq_lens = crafted_score_rows(gen)
+    B, Hq, S = scores.shape
+    out = []
+    for parallel in (False, True):
+        for sparse_from in (0, 2, 4):
+            cfg = td.KernelConfig(**{**SMALL, "quantile_parallel": parallel, "quantile_sparse_from": sparse_from})
+            geo = td.geometry(B, Hq, Hq, S, 64, torch.float32, scores.device, cfg)
+            ws = td.Workspace(geo, scores.device)
+            ws.scores.copy_(scores)
+            valid = torch.arange(S)[None, None, :] < seq_lens[:, None, None]
+            m = torch.where(valid, scores, float("-inf")).amax(-1)
+            l = torch.where(valid, torch.exp2(scores - m[..., None]), 0.0).sum(-1)
+            ws.mst.fill_(float("-inf")), ws.lst.zero_()
+            ws.mst[..., 0], ws.lst[..., 0] = m, l
+            p = torch.exp2(scores.double() - m.double()[..., None]) / l.double()[..., None]
+            want = torch.tensor([[float(torch.quantile(p[b, h, : seq_lens[b]], tau[b, h])) for h in range(Hq)]
+                                 for b in range(B)], dtype=torch.float64)
+            thetas = [td.quantile_pass(geo, ws, tau, seq_lens.int(), None, cfg) for _ in range(2)]
+            out.append(dict(parallel=parallel, sparse_from=sparse_from,
+                            rel=float(((thetas[0].double() - want).abs() / want).max()),
+                            repeat_equal=bool(torch.equal(thetas[0], thetas[1])),
+                            hist_nonzero=int(ws.qhist.count_nonzero()),
+                            next_reset=bool((ws.qnext == 2**31 - 1).all())))
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -728,6 +793,15 @@ def test_triton_warmup_quantile_exact_scores(triton_results):
     assert len(rows) == 5 + 2 * 4
     for r in rows:
         assert math.isfinite(r["ulps"]) and r["ulps"] <= 8, r
+
+
+def test_triton_radix_select_on_crafted_scores(triton_results):
+    rows = triton_results["radix"]
+    assert len(rows) == 6
+    for r in rows:
+        # A neighbouring order statistic would be off by 0.5%; float32 exp2 and the interpolation by ~1e-7.
+        assert r["rel"] < 2e-6, r
+        assert r["repeat_equal"] and r["hist_nonzero"] == 0 and r["next_reset"], r
 
 
 def test_triton_plan_matches_float64(triton_results):

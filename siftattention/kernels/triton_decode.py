@@ -29,10 +29,12 @@ split with an online softmax, the last split program of each row combines.
 
 Warmup step (``warmup``): the dense kernel also storing the scores, then the exact
 tau-quantile of the probabilities by radix select over the order-preserving 32-bit
-image of the float32 scores: one program per row (``_quantile_kernel``), or, when rows
-are few, five chunked launches per row with atomics (``_qhist_kernel``) and a finalize
-(``_qfinal_kernel``). (``warmup_dense=False``: the scores kernel, the quantile, then
-the filter kernel keeping every key.)
+image of the float32 scores, four 8-bit digits: one program per row
+(``_quantile_kernel``), or, when rows are few, four chunked launches per row with atomics
+(``_qhist_kernel``) and a finalize (``_qfinal_kernel``). The first two digits are counted
+in register histograms; the last two, which only the few keys left in the chosen bucket
+reach, with one atomic per such key. (``warmup_dense=False``: the scores kernel, the
+quantile, then the filter kernel keeping every key.)
 
 K and V are loaded with an evict-first L2 policy and the scores stored evict-last,
 so the filter pass tends to find them in L2. The counters that order the passes
@@ -136,6 +138,10 @@ class KernelConfig:
     # (H200, 32 heads: at B = 1 the warmup costs 2.6x SDPA with it and 3.9x without; at
     # B = 8 one program per row was 5% faster).
     quantile_parallel: bool | str = "auto"
+    # Radix passes from this one on (0-3; 4: none) count the keys still matching the digits
+    # found so far with one atomic per key instead of a register histogram, which costs the
+    # same per key whether it matches or not: after two 8-bit digits few keys are left.
+    quantile_sparse_from: int = 2
     programsq: int = 4
     min_splitq: int = 4096
     residentq: int = 4
@@ -859,20 +865,26 @@ def _next_tile(s_row, idx, n, ahead, BLOCK: tl.constexpr, PREFETCH: tl.constexpr
 
 @triton.jit
 def _quantile_kernel(
-    Scores, Mst, Lst, Tau, SeqLens, Starts, Theta,
+    Scores, Mst, Lst, Tau, SeqLens, Starts, Hist, Theta,
     S_MAX, NUM_SPLITS1,
     HQ: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S1: tl.constexpr,
     HAS_SEQ_LENS: tl.constexpr, HAS_STARTS: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr,
+    SPARSE_FROM: tl.constexpr,
 ):
     """theta = tau-quantile of one row's probabilities, torch.quantile's 'linear' rule.
 
     Radix select, no sort: the k-th smallest score (k = floor(tau * (n - 1))) is
     found exactly, 8 bits of its order-preserving 32-bit key per pass (MSB first):
     each pass histograms the next digit of the keys that share the digits found so
-    far and picks the bucket holding rank k. A fifth pass finds the next order
-    statistic (a tie, or the least larger key). Probabilities are monotone in the
-    scores, so interpolating exp2(s - M) / L at the two order statistics is the
-    quantile of p.
+    far and picks the bucket holding rank k. The last pass also finds the least key
+    above the k-th key's 24-bit bucket, so the next order statistic (a tie, a larger
+    key of the same bucket, or that one) needs no fifth pass. Probabilities are
+    monotone in the scores, so interpolating exp2(s - M) / L at the two order
+    statistics is the quantile of p.
+
+    Passes from SPARSE_FROM on count the few keys still matching with atomics into the
+    row's slice of ``Hist`` (read back and zeroed in the same pass) instead of a
+    register histogram, whose cost is per key whether it matches or not.
     """
     row = tl.program_id(0).to(tl.int64)
     b = row // HQ
@@ -880,20 +892,19 @@ def _quantile_kernel(
     m, l, _, _, _ = _row_ml(Mst, Lst, tl.full([1], 0, tl.int64) + row, one, NUM_SPLITS1, BLOCK_S1)
     m = tl.sum(m, axis=0)
     l = tl.sum(l, axis=0)
-    begin, end = _row_range(SeqLens, Starts, b, S_MAX, HAS_SEQ_LENS, HAS_STARTS)
+    begin, end, rank, frac = _qrank(Tau, SeqLens, Starts, row, b, S_MAX, HAS_SEQ_LENS, HAS_STARTS)
     n = end - begin
-    tau = tl.load(Tau + row)  # float64, so that tau * (n - 1) matches the reference
-    pos = tau * (n - 1).to(tl.float64)
-    kf = tl.floor(pos)
-    frac = (pos - kf).to(tl.float32)
-    rank = kf.to(tl.int32)  # rank of the wanted key among those matching the prefix
 
     offs = tl.arange(0, BLOCK)
     bins = tl.arange(0, 256)
     s_row = Scores + row * S_MAX + begin
     prefix = (n * 0).to(tl.uint32)
+    above = tl.full([BLOCK], 0xFFFFFFFF, tl.uint32)
+    n_in = n * 0
+    hist = tl.zeros([256], tl.int32)
     for p in tl.static_range(4):
         shift = 24 - 8 * p  # constexpr: p is a static_range index
+        h_row = Hist + (row * 4 + p) * 256
         hist = tl.zeros([256], tl.int32)
         x = _first_tile(s_row, offs, n, PREFETCH)
         for n0 in tl.range(0, n, BLOCK, num_stages=STAGES):
@@ -901,45 +912,57 @@ def _quantile_kernel(
             valid = idx < n
             x, cur = _next_tile(s_row, idx, n, x, BLOCK, PREFETCH)
             u = _ukey(cur)
+            if p == 3:
+                above = tl.minimum(above, tl.where(valid & (u > (prefix | 0xFF)), u, 0xFFFFFFFF))
             if p > 0:
                 valid = valid & ((u >> (shift + 8)) == (prefix >> (shift + 8)))
             digit = ((u >> shift) & 0xFF).to(tl.int32)
-            hist += tl.histogram(digit, 256, mask=valid)
+            if p < SPARSE_FROM:
+                hist += tl.histogram(digit, 256, mask=valid)
+            else:
+                tl.atomic_add(h_row + digit, 1, mask=valid, sem="relaxed")
+        if p >= SPARSE_FROM:
+            tl.debug_barrier()  # every thread's counts are in before they are read
+            hist = tl.atomic_xchg(h_row + bins, tl.zeros([256], tl.int32), sem="relaxed")
         csum = tl.cumsum(hist, axis=0)
         d = tl.sum((csum <= rank).to(tl.int32), axis=0)  # first bucket whose cumsum passes rank
         rank -= tl.max(tl.where(csum <= rank, csum, 0), axis=0)
         n_in = tl.sum(tl.where(bins == d, hist, 0), axis=0)  # keys in that bucket
         prefix = prefix | (d.to(tl.uint32) << shift)
 
-    t = prefix
-    t_hi = t
-    if rank + 1 >= n_in:  # the (k+1)-th is not a tie with the k-th: least larger key
-        nxt = tl.full([BLOCK], 0xFFFFFFFF, tl.uint32)
-        x = _first_tile(s_row, offs, n, PREFETCH)
-        for n0 in tl.range(0, n, BLOCK, num_stages=STAGES):
-            idx = n0 + offs
-            valid = idx < n
-            x, cur = _next_tile(s_row, idx, n, x, BLOCK, PREFETCH)
-            u = _ukey(cur)
-            nxt = tl.minimum(nxt, tl.where(valid & (u > t), u, 0xFFFFFFFF))
-        nxt_t = tl.min(nxt, axis=0)
-        t_hi = tl.where(nxt_t == 0xFFFFFFFF, t, nxt_t)  # none when k = n - 1
+    t_hi = _next_key(prefix, rank, n_in, hist, tl.min(above, axis=0))
     inv_l = 1.0 / l
-    p_lo = tl.math.exp2(_ukey_float(t) - m) * inv_l
+    p_lo = tl.math.exp2(_ukey_float(prefix) - m) * inv_l
     p_hi = tl.math.exp2(_ukey_float(t_hi) - m) * inv_l
     tl.store(Theta + row, p_lo + frac * (p_hi - p_lo))
+
+
+@triton.jit
+def _next_key(t, rank, n_in, last_hist, above):
+    """The (k+1)-th smallest key after the radix select found the k-th, ``t``.
+
+    ``rank``: t's rank among the keys equal to it, ``n_in`` of them; ``last_hist``: the
+    last digit's histogram of t's 24-bit bucket (exact keys); ``above``: the least key
+    above that bucket (all ones: none). None at all (k = n - 1): t itself.
+    """
+    bins = tl.arange(0, 256)
+    nb = tl.min(tl.where((bins > (t & 0xFF).to(tl.int32)) & (last_hist > 0), bins, 256), axis=0)
+    same_bucket = (t & 0xFFFFFF00) | nb.to(tl.uint32)
+    later = tl.where(nb < 256, same_bucket, tl.where(above == 0xFFFFFFFF, t, above))
+    return tl.where(rank + 1 < n_in, t, later)
 
 
 @triton.jit
 def _qselect(Hist, row, rank, PASSES: tl.constexpr):
     """Replay the first PASSES digit choices of the radix select from the row's histograms.
 
-    Returns the key prefix found so far, the rank left within it and the keys in the
-    last chosen bucket.
+    Returns the key prefix found so far, the rank left within it, the keys in the last
+    chosen bucket and the last histogram read.
     """
     bins = tl.arange(0, 256)
     prefix = (rank * 0).to(tl.uint32)
     n_in = rank * 0
+    hist = tl.zeros([256], tl.int32)
     for p in tl.static_range(PASSES):
         hist = tl.load(Hist + (row * 4 + p) * 256 + bins, cache_modifier=".cg")
         csum = tl.cumsum(hist, axis=0)
@@ -947,7 +970,7 @@ def _qselect(Hist, row, rank, PASSES: tl.constexpr):
         rank -= tl.max(tl.where(csum <= rank, csum, 0), axis=0)
         n_in = tl.sum(tl.where(bins == d, hist, 0), axis=0)
         prefix = prefix | (d.to(tl.uint32) << (24 - 8 * p))
-    return prefix, rank, n_in
+    return prefix, rank, n_in, hist
 
 
 @triton.jit
@@ -963,46 +986,48 @@ def _qrank(Tau, SeqLens, Starts, row, b, S_MAX, HAS_SEQ_LENS: tl.constexpr, HAS_
 @triton.jit
 def _qhist_kernel(
     Scores, Tau, SeqLens, Starts, Hist, Next, S_MAX, NUM_CHUNKS,
-    HQ: tl.constexpr, BLOCK: tl.constexpr, PASS: tl.constexpr,
+    HQ: tl.constexpr, BLOCK: tl.constexpr, PASS: tl.constexpr, SPARSE: tl.constexpr,
     HAS_SEQ_LENS: tl.constexpr, HAS_STARTS: tl.constexpr, STAGES: tl.constexpr,
 ):
     """One pass of the row-parallel radix select over one chunk of one (batch, query head) row.
 
     PASS 0..3: histogram of digit PASS (8 bits, MSB first) of the keys that share the
     digits chosen so far (replayed from the earlier passes' histograms), added to the
-    row's histogram with atomics. PASS 4: the least key above the k-th one (when the
-    (k+1)-th is no tie), an atomic min into ``Next`` (signed image of the key).
+    row's histogram: one atomic per bin from a register histogram, or (SPARSE: few keys
+    still match) one atomic per matching key. PASS 3 also takes the least key above the
+    chosen 24-bit bucket, an atomic min into ``Next`` (signed image of the key).
     """
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     b = row // HQ
     begin, end, rank, _ = _qrank(Tau, SeqLens, Starts, row, b, S_MAX, HAS_SEQ_LENS, HAS_STARTS)
-    prefix, rank, n_in = _qselect(Hist, row, rank, PASS)
+    prefix, rank, n_in, _ = _qselect(Hist, row, rank, PASS)
     lo, hi = _split_range(begin, end, chunk, NUM_CHUNKS, BLOCK)
     s_row = Scores + row * S_MAX
     offs = tl.arange(0, BLOCK)
-    if PASS < 4:
-        shift = 24 - 8 * PASS
-        hist = tl.zeros([256], tl.int32)
-        for n0 in tl.range(lo, hi, BLOCK, num_stages=STAGES):
-            idx = n0 + offs
-            valid = idx < hi
-            u = _ukey(tl.load(s_row + idx, mask=valid, other=0.0))
-            if PASS > 0:
-                valid = valid & ((u >> (shift + 8)) == (prefix >> (shift + 8)))
-            hist += tl.histogram(((u >> shift) & 0xFF).to(tl.int32), 256, mask=valid)
+    h_row = Hist + (row * 4 + PASS) * 256
+    shift = 24 - 8 * PASS
+    hist = tl.zeros([256], tl.int32)
+    above = tl.full([BLOCK], 0xFFFFFFFF, tl.uint32)
+    for n0 in tl.range(lo, hi, BLOCK, num_stages=STAGES):
+        idx = n0 + offs
+        valid = idx < hi
+        u = _ukey(tl.load(s_row + idx, mask=valid, other=0.0))
+        if PASS == 3:
+            above = tl.minimum(above, tl.where(valid & (u > (prefix | 0xFF)), u, 0xFFFFFFFF))
+        if PASS > 0:
+            valid = valid & ((u >> (shift + 8)) == (prefix >> (shift + 8)))
+        digit = ((u >> shift) & 0xFF).to(tl.int32)
+        if SPARSE:
+            tl.atomic_add(h_row + digit, 1, mask=valid, sem="relaxed")
+        else:
+            hist += tl.histogram(digit, 256, mask=valid)
+    if not SPARSE:
         bins = tl.arange(0, 256)
-        tl.atomic_add(Hist + (row * 4 + PASS) * 256 + bins, hist, mask=hist > 0)
-    else:
-        if rank + 1 >= n_in:
-            nxt = tl.full([BLOCK], 0xFFFFFFFF, tl.uint32)
-            for n0 in tl.range(lo, hi, BLOCK, num_stages=STAGES):
-                idx = n0 + offs
-                valid = idx < hi
-                u = _ukey(tl.load(s_row + idx, mask=valid, other=0.0))
-                nxt = tl.minimum(nxt, tl.where(valid & (u > prefix), u, 0xFFFFFFFF))
-            least = (tl.min(nxt, axis=0) ^ 0x80000000).to(tl.int32, bitcast=True)  # order-preserving signed image
-            tl.atomic_min(Next + row, least)
+        tl.atomic_add(h_row + bins, hist, mask=hist > 0, sem="relaxed")
+    if PASS == 3:
+        least = tl.min(above, axis=0)
+        tl.atomic_min(Next + row, (least ^ 0x80000000).to(tl.int32, bitcast=True), sem="relaxed")
 
 
 @triton.jit
@@ -1018,11 +1043,9 @@ def _qfinal_kernel(
     m = tl.sum(m, axis=0)
     l = tl.sum(l, axis=0)
     _, _, rank, frac = _qrank(Tau, SeqLens, Starts, row, b, S_MAX, HAS_SEQ_LENS, HAS_STARTS)
-    t, rank, n_in = _qselect(Hist, row, rank, 4)
-    t_hi = t
-    if rank + 1 >= n_in:
-        nx = tl.load(Next + row, cache_modifier=".cg")
-        t_hi = tl.where(nx == _INT_MAX, t, nx.to(tl.uint32, bitcast=True) ^ 0x80000000)  # none when k = n - 1
+    t, rank, n_in, last_hist = _qselect(Hist, row, rank, 4)
+    above = tl.load(Next + row, cache_modifier=".cg").to(tl.uint32, bitcast=True) ^ 0x80000000
+    t_hi = _next_key(t, rank, n_in, last_hist, above)
     inv_l = 1.0 / l
     p_lo = tl.math.exp2(_ukey_float(t) - m) * inv_l
     p_hi = tl.math.exp2(_ukey_float(t_hi) - m) * inv_l
@@ -1062,8 +1085,8 @@ class Workspace:
             self.cnt = torch.empty(B, Hq, geo["ns2"], device=device, dtype=i32)
             self.mass = torch.empty(B, Hq, geo["ns2"], device=device, dtype=f32)
         if not dense_only:
-            # Row-parallel quantile: 4 digit histograms and the next key per (batch, query head);
-            # the finalize kernel resets them for the next call.
+            # Radix select: 4 digit histograms and the least key above the last bucket per
+            # (batch, query head); the kernels set them back for the next call.
             self.qhist = torch.zeros(B * Hq, 4, 256, device=device, dtype=i32)
             self.qnext = torch.full((B * Hq,), 2**31 - 1, device=device, dtype=i32)
         self.dpart = torch.empty(B, Hq, geo["nsd"], geo["BLOCK_D"], device=device, dtype=f32)
@@ -1126,17 +1149,18 @@ def quantile_pass(geo: dict, ws: Workspace, tau: torch.Tensor, seq_lens, starts,
     rows = geo["B"] * geo["Hq"]
     if not geo["quantile_parallel"]:
         _quantile_kernel[(rows,)](
-            ws.scores, mst, lst, tau, sl_arg, st_arg, theta, geo["S"], ns,
+            ws.scores, mst, lst, tau, sl_arg, st_arg, ws.qhist, theta, geo["S"], ns,
             HQ=geo["Hq"], BLOCK=cfg.quantile_block, BLOCK_S1=block_s,
             HAS_SEQ_LENS=has_sl, HAS_STARTS=has_st, STAGES=cfg.quantile_stages,
-            PREFETCH=cfg.quantile_prefetch, num_warps=cfg.quantile_warps,
+            PREFETCH=cfg.quantile_prefetch, SPARSE_FROM=cfg.quantile_sparse_from, num_warps=cfg.quantile_warps,
         )
         return theta
     try:
-        for p in range(5):
+        for p in range(4):
             _qhist_kernel[(rows, geo["nq"])](
                 ws.scores, tau, sl_arg, st_arg, ws.qhist, ws.qnext, geo["S"], geo["nq"],
-                HQ=geo["Hq"], BLOCK=geo["BLOCK_Q"], PASS=p, HAS_SEQ_LENS=has_sl, HAS_STARTS=has_st,
+                HQ=geo["Hq"], BLOCK=geo["BLOCK_Q"], PASS=p, SPARSE=p >= cfg.quantile_sparse_from,
+                HAS_SEQ_LENS=has_sl, HAS_STARTS=has_st,
                 STAGES=cfg.quantile_stages, num_warps=cfg.quantile_warps,
             )
         _qfinal_kernel[(rows,)](
