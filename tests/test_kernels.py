@@ -670,12 +670,13 @@ def _triton_worker() -> dict:
 
 
 def crafted_score_rows(gen) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Scores [2, 4, 61] whose order statistics sit where the radix select branches, with taus and seq_lens.
+    """Scores [3, 4, 61] whose order statistics sit where the radix select branches, with taus and seq_lens.
 
     Around 2**16 a float32 step is 2**-7, so a neighbouring order statistic moves p by 0.5%:
     consecutive floats (the next key in the k-th key's last-digit bucket), keys 256 steps
     apart (in the next 24-bit bucket), all ties, tie groups, negatives, signed zeros, a
-    random row with tau = 1 (no next key) and keys spread over many 16-bit buckets.
+    random row with tau = 1 (no next key), keys spread over many 16-bit buckets, and keys
+    each in a 16-bit bucket of its own.
     Positions past a row's length hold NaN, which no pass may read.
     """
     S, base, step = 61, 2.0**16, 2.0**-7
@@ -693,11 +694,18 @@ def crafted_score_rows(gen) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         torch.tensor([-0.0, 0.0, 1e-3, -1e-3, 2.5], dtype=torch.float64)[torch.randint(0, 5, (S,), generator=gen)],
         torch.randn(S, generator=gen, dtype=torch.float64) * 4,
         base + step * torch.randint(0, 40000, (S,), generator=gen).double(),
+        # Near 1 two digits span 2**-7: keys 0.01 apart sit in different two-digit buckets.
+        shuffled(1.0 + 0.01 * j),
+        shuffled(1.0 + 0.01 * torch.div(j, 3, rounding_mode="floor")),
+        shuffled(-1.0 - 0.01 * j),
+        torch.randn(S, generator=gen, dtype=torch.float64) * 0.5,
     ]
-    scores = torch.stack(rows).float().reshape(2, 4, S)
-    seq_lens = torch.tensor([S, 29])
+    scores = torch.stack(rows).float().reshape(3, 4, S)
+    seq_lens = torch.tensor([S, 29, 45])
     scores[1, :, 29:] = float("nan")
-    tau = torch.tensor([[0.875, 0.5, 0.3, 0.875], [0.1, 0.6, 1.0, 0.875]], dtype=torch.float64)
+    scores[2, :, 45:] = float("nan")
+    tau = torch.tensor([[0.875, 0.5, 0.3, 0.875], [0.1, 0.6, 1.0, 0.875], [0.875, 0.5, 0.3, 0.875]],
+                       dtype=torch.float64)
     return scores, tau, seq_lens
 
 
