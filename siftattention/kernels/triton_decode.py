@@ -900,8 +900,6 @@ def _quantile_kernel(
     s_row = Scores + row * S_MAX + begin
     prefix = (n * 0).to(tl.uint32)
     above = tl.full([BLOCK], 0xFFFFFFFF, tl.uint32)
-    n_in = n * 0
-    hist = tl.zeros([256], tl.int32)
     for p in tl.static_range(4):
         shift = 24 - 8 * p  # constexpr: p is a static_range index
         h_row = Hist + (row * 4 + p) * 256
