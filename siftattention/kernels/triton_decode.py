@@ -901,38 +901,61 @@ def _quantile_kernel(
     prefix = (n * 0).to(tl.uint32)
     above = tl.full([BLOCK], 0xFFFFFFFF, tl.uint32)
     for p in tl.static_range(4):
-        shift = 24 - 8 * p  # constexpr: p is a static_range index
         h_row = Hist + (row * 4 + p) * 256
         hist = tl.zeros([256], tl.int32)
         x = _first_tile(s_row, offs, n, PREFETCH)
         for n0 in tl.range(0, n, BLOCK, num_stages=STAGES):
             idx = n0 + offs
-            valid = idx < n
             x, cur = _next_tile(s_row, idx, n, x, BLOCK, PREFETCH)
-            u = _ukey(cur)
-            if p == 3:
-                above = tl.minimum(above, tl.where(valid & (u > (prefix | 0xFF)), u, 0xFFFFFFFF))
-            if p > 0:
-                valid = valid & ((u >> (shift + 8)) == (prefix >> (shift + 8)))
-            digit = ((u >> shift) & 0xFF).to(tl.int32)
-            if p < SPARSE_FROM:
-                hist += tl.histogram(digit, 256, mask=valid)
-            else:
-                tl.atomic_add(h_row + digit, 1, mask=valid, sem="relaxed")
+            hist, above = _count_digit(_ukey(cur), idx < n, prefix, hist, above, h_row, p, p >= SPARSE_FROM)
         if p >= SPARSE_FROM:
             tl.debug_barrier()  # every thread's counts are in before they are read
             hist = tl.atomic_xchg(h_row + bins, tl.zeros([256], tl.int32), sem="relaxed")
-        csum = tl.cumsum(hist, axis=0)
-        d = tl.sum((csum <= rank).to(tl.int32), axis=0)  # first bucket whose cumsum passes rank
-        rank -= tl.max(tl.where(csum <= rank, csum, 0), axis=0)
-        n_in = tl.sum(tl.where(bins == d, hist, 0), axis=0)  # keys in that bucket
-        prefix = prefix | (d.to(tl.uint32) << shift)
+        prefix, rank, n_in = _pick_bucket(hist, rank, prefix, p)
 
     t_hi = _next_key(prefix, rank, n_in, hist, tl.min(above, axis=0))
+    tl.store(Theta + row, _interpolate(prefix, t_hi, frac, m, l))
+
+
+@triton.jit
+def _count_digit(u, valid, prefix, hist, above, h_row, PASS: tl.constexpr, SPARSE: tl.constexpr):
+    """Count one tile's keys ``u`` for radix pass PASS: returns (hist, above).
+
+    Keys that share the digits in ``prefix`` add their digit PASS to ``hist`` (a register
+    histogram) or, SPARSE, with one atomic each to the row's histogram at ``h_row``. The
+    last pass also lowers ``above`` to the least key above the chosen 24-bit bucket.
+    """
+    shift = 24 - 8 * PASS
+    if PASS == 3:
+        above = tl.minimum(above, tl.where(valid & (u > (prefix | 0xFF)), u, 0xFFFFFFFF))
+    if PASS > 0:
+        valid = valid & ((u >> (shift + 8)) == (prefix >> (shift + 8)))
+    digit = ((u >> shift) & 0xFF).to(tl.int32)
+    if SPARSE:
+        tl.atomic_add(h_row + digit, 1, mask=valid, sem="relaxed")
+    else:
+        hist += tl.histogram(digit, 256, mask=valid)
+    return hist, above
+
+
+@triton.jit
+def _pick_bucket(hist, rank, prefix, PASS: tl.constexpr):
+    """The bucket of pass PASS's histogram holding rank ``rank``: (prefix with its digit, rank left in it, its keys)."""
+    bins = tl.arange(0, 256)
+    csum = tl.cumsum(hist, axis=0)
+    d = tl.sum((csum <= rank).to(tl.int32), axis=0)  # first bucket whose cumsum passes rank
+    rank -= tl.max(tl.where(csum <= rank, csum, 0), axis=0)
+    n_in = tl.sum(tl.where(bins == d, hist, 0), axis=0)
+    return prefix | (d.to(tl.uint32) << (24 - 8 * PASS)), rank, n_in
+
+
+@triton.jit
+def _interpolate(t, t_hi, frac, m, l):
+    """theta: the probabilities exp2(s - m) / l of the two order statistics' keys, interpolated."""
     inv_l = 1.0 / l
-    p_lo = tl.math.exp2(_ukey_float(prefix) - m) * inv_l
+    p_lo = tl.math.exp2(_ukey_float(t) - m) * inv_l
     p_hi = tl.math.exp2(_ukey_float(t_hi) - m) * inv_l
-    tl.store(Theta + row, p_lo + frac * (p_hi - p_lo))
+    return p_lo + frac * (p_hi - p_lo)
 
 
 @triton.jit
@@ -963,11 +986,7 @@ def _qselect(Hist, row, rank, PASSES: tl.constexpr):
     hist = tl.zeros([256], tl.int32)
     for p in tl.static_range(PASSES):
         hist = tl.load(Hist + (row * 4 + p) * 256 + bins, cache_modifier=".cg")
-        csum = tl.cumsum(hist, axis=0)
-        d = tl.sum((csum <= rank).to(tl.int32), axis=0)  # first bucket whose cumsum passes rank
-        rank -= tl.max(tl.where(csum <= rank, csum, 0), axis=0)
-        n_in = tl.sum(tl.where(bins == d, hist, 0), axis=0)
-        prefix = prefix | (d.to(tl.uint32) << (24 - 8 * p))
+        prefix, rank, n_in = _pick_bucket(hist, rank, prefix, p)
     return prefix, rank, n_in, hist
 
 
@@ -1004,22 +1023,13 @@ def _qhist_kernel(
     s_row = Scores + row * S_MAX
     offs = tl.arange(0, BLOCK)
     h_row = Hist + (row * 4 + PASS) * 256
-    shift = 24 - 8 * PASS
     hist = tl.zeros([256], tl.int32)
     above = tl.full([BLOCK], 0xFFFFFFFF, tl.uint32)
     for n0 in tl.range(lo, hi, BLOCK, num_stages=STAGES):
         idx = n0 + offs
         valid = idx < hi
         u = _ukey(tl.load(s_row + idx, mask=valid, other=0.0))
-        if PASS == 3:
-            above = tl.minimum(above, tl.where(valid & (u > (prefix | 0xFF)), u, 0xFFFFFFFF))
-        if PASS > 0:
-            valid = valid & ((u >> (shift + 8)) == (prefix >> (shift + 8)))
-        digit = ((u >> shift) & 0xFF).to(tl.int32)
-        if SPARSE:
-            tl.atomic_add(h_row + digit, 1, mask=valid, sem="relaxed")
-        else:
-            hist += tl.histogram(digit, 256, mask=valid)
+        hist, above = _count_digit(u, valid, prefix, hist, above, h_row, PASS, SPARSE)
     if not SPARSE:
         bins = tl.arange(0, 256)
         tl.atomic_add(h_row + bins, hist, mask=hist > 0, sem="relaxed")
@@ -1044,10 +1054,7 @@ def _qfinal_kernel(
     t, rank, n_in, last_hist = _qselect(Hist, row, rank, 4)
     above = tl.load(Next + row, cache_modifier=".cg").to(tl.uint32, bitcast=True) ^ 0x80000000
     t_hi = _next_key(t, rank, n_in, last_hist, above)
-    inv_l = 1.0 / l
-    p_lo = tl.math.exp2(_ukey_float(t) - m) * inv_l
-    p_hi = tl.math.exp2(_ukey_float(t_hi) - m) * inv_l
-    tl.store(Theta + row, p_lo + frac * (p_hi - p_lo))
+    tl.store(Theta + row, _interpolate(t, t_hi, frac, m, l))
     offs = tl.arange(0, 1024)
     tl.store(Hist + row * 1024 + offs, tl.zeros([1024], tl.int32))
     tl.store(Next + row, _INT_MAX)
