@@ -285,6 +285,18 @@ def test_validation_errors():
             sift_decode(q, k, k, eta, backend="triton")
 
 
+def test_kernel_config_rejects_bad_quantile_knobs():
+    pytest.importorskip("triton")
+    from siftattention.kernels.triton_decode import KernelConfig
+
+    for kw, msg in (({"quantile_sample": 500}, "quantile_sample must be a power of two or 0"),
+                    ({"quantile_block": 0}, "quantile_block must be a power of two"),
+                    ({"quantile_margin": -1}, "quantile_margin must be >= 0")):
+        with pytest.raises(ValueError, match=msg):
+            KernelConfig(**kw)
+    assert KernelConfig(quantile_sample=0).quantile_sample == 0
+
+
 # ----------------------------------------------------------------------------- planned kernels (DecodeKernels)
 
 
@@ -718,26 +730,31 @@ def radix_select_results() -> list[dict]:
     scores, tau, seq_lens = crafted_score_rows(gen)
     B, Hq, S = scores.shape
     out = []
-    for parallel in (False, True):
-        for sparse_from in (0, 2, 4):
-            cfg = td.KernelConfig(**{**SMALL, "quantile_parallel": parallel, "quantile_sparse_from": sparse_from})
-            geo = td.geometry(B, Hq, Hq, S, 64, torch.float32, scores.device, cfg)
-            ws = td.Workspace(geo, scores.device)
-            ws.scores.copy_(scores)
-            valid = torch.arange(S)[None, None, :] < seq_lens[:, None, None]
-            m = torch.where(valid, scores, float("-inf")).amax(-1)
-            l = torch.where(valid, torch.exp2(scores - m[..., None]), 0.0).sum(-1)
-            ws.mst.fill_(float("-inf")), ws.lst.zero_()
-            ws.mst[..., 0], ws.lst[..., 0] = m, l
-            p = torch.exp2(scores.double() - m.double()[..., None]) / l.double()[..., None]
-            want = torch.tensor([[float(torch.quantile(p[b, h, : seq_lens[b]], tau[b, h])) for h in range(Hq)]
-                                 for b in range(B)], dtype=torch.float64)
-            thetas = [td.quantile_pass(geo, ws, tau, seq_lens.int(), None, cfg) for _ in range(2)]
-            out.append(dict(parallel=parallel, sparse_from=sparse_from,
-                            rel=float(((thetas[0].double() - want).abs() / want).max()),
-                            repeat_equal=bool(torch.equal(thetas[0], thetas[1])),
-                            hist_nonzero=int(ws.qhist.count_nonzero()),
-                            next_reset=bool((ws.qnext == 2**31 - 1).all())))
+    variants = [dict(quantile_parallel=parallel, quantile_sparse_from=sparse_from, quantile_sample=0)
+                for parallel in (False, True) for sparse_from in (0, 2, 4)]
+    # The sampled bracket: 0 and 2 sample ranks either side (often missed: the full select
+    # runs), 32 (the default; rarely), 8 of a sample of 64 (keys outside the bracket in the last bucket).
+    variants += [dict(quantile_parallel=False, quantile_sample=sample, quantile_margin=margin)
+                 for sample, margin in ((256, 0), (512, 2), (512, 32), (64, 8))]
+    for variant in variants:
+        cfg = td.KernelConfig(**{**SMALL, **variant})
+        geo = td.geometry(B, Hq, Hq, S, 64, torch.float32, scores.device, cfg)
+        ws = td.Workspace(geo, scores.device)
+        ws.scores.copy_(scores)
+        valid = torch.arange(S)[None, None, :] < seq_lens[:, None, None]
+        m = torch.where(valid, scores, float("-inf")).amax(-1)
+        l = torch.where(valid, torch.exp2(scores - m[..., None]), 0.0).sum(-1)
+        ws.mst.fill_(float("-inf")), ws.lst.zero_()
+        ws.mst[..., 0], ws.lst[..., 0] = m, l
+        p = torch.exp2(scores.double() - m.double()[..., None]) / l.double()[..., None]
+        want = torch.tensor([[float(torch.quantile(p[b, h, : seq_lens[b]], tau[b, h])) for h in range(Hq)]
+                             for b in range(B)], dtype=torch.float64)
+        thetas = [td.quantile_pass(geo, ws, tau, seq_lens.int(), None, cfg) for _ in range(2)]
+        out.append(dict(variant,
+                        rel=float(((thetas[0].double() - want).abs() / want).max()),
+                        repeat_equal=bool(torch.equal(thetas[0], thetas[1])),
+                        hist_nonzero=int(ws.qhist.count_nonzero()),
+                        next_reset=bool((ws.qnext == 2**31 - 1).all())))
     return out
 
 
@@ -805,7 +822,7 @@ def test_triton_warmup_quantile_exact_scores(triton_results):
 
 def test_triton_radix_select_on_crafted_scores(triton_results):
     rows = triton_results["radix"]
-    assert len(rows) == 6
+    assert len(rows) == 10
     for r in rows:
         # A neighbouring order statistic would be off by 0.5%; float32 exp2 and the interpolation by ~1e-7.
         assert r["rel"] < 2e-6, r

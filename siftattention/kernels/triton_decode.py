@@ -127,7 +127,7 @@ class KernelConfig:
     # 0.5-2.3% at s = 0.875 and 2-8% at s = 0 (replay_decode.py, BENCHMARKS.md).
     interleave2: int = 256
     fused_combine: bool = True  # last split program reduces (no separate combine launch)
-    quantile_block: int = 4096
+    quantile_block: int = 2048
     quantile_warps: int = 8
     quantile_stages: int = 2
     # One quantile program per row: each pass loads its next tile before it histograms the
@@ -142,6 +142,12 @@ class KernelConfig:
     # found so far with one atomic per key instead of a register histogram, which costs the
     # same per key whether it matches or not: after two 8-bit digits few keys are left.
     quantile_sparse_from: int = 2
+    # One quantile program per row: ``quantile_sample`` evenly spaced keys (a power of two;
+    # 0: off), sorted, bracket the wanted rank within ``quantile_margin`` sample ranks either
+    # side, and only the keys inside are radix-selected. A bracket that misses falls back to
+    # the radix select over every key (exact either way).
+    quantile_sample: int = 512
+    quantile_margin: int = 32
     programsq: int = 4
     min_splitq: int = 4096
     residentq: int = 4
@@ -163,6 +169,15 @@ class KernelConfig:
     stagesd: int = 3
     programsd: int = 6
     min_splitd: int = 2048
+
+    def __post_init__(self):
+        # Tile sizes that become tl.arange lengths: a wrong one would fail deep in the compiler.
+        for name in ("quantile_block", "quantile_sample"):
+            v = getattr(self, name)
+            if v < 0 or v & (v - 1) or (v == 0 and name == "quantile_block"):
+                raise ValueError(f"KernelConfig.{name} must be a power of two{' or 0' if name == 'quantile_sample' else ''}, got {v}")
+        if self.quantile_margin < 0:
+            raise ValueError(f"KernelConfig.quantile_margin must be >= 0, got {self.quantile_margin}")
 
 
 # Per-device overrides of the defaults: the first entry whose key is in the device name
@@ -869,22 +884,17 @@ def _quantile_kernel(
     S_MAX, NUM_SPLITS1,
     HQ: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S1: tl.constexpr,
     HAS_SEQ_LENS: tl.constexpr, HAS_STARTS: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr,
-    SPARSE_FROM: tl.constexpr,
+    SPARSE_FROM: tl.constexpr, SAMPLE: tl.constexpr, MARGIN: tl.constexpr,
 ):
     """theta = tau-quantile of one row's probabilities, torch.quantile's 'linear' rule.
 
-    Radix select, no sort: the k-th smallest score (k = floor(tau * (n - 1))) is
-    found exactly, 8 bits of its order-preserving 32-bit key per pass (MSB first):
-    each pass histograms the next digit of the keys that share the digits found so
-    far and picks the bucket holding rank k. The last pass also finds the least key
-    above the k-th key's 24-bit bucket, so the next order statistic (a tie, a larger
-    key of the same bucket, or that one) needs no fifth pass. Probabilities are
-    monotone in the scores, so interpolating exp2(s - M) / L at the two order
-    statistics is the quantile of p.
+    The k-th smallest score (k = floor(tau * (n - 1))) and the next one are found exactly,
+    without a sort. Probabilities are monotone in the scores, so interpolating
+    exp2(s - M) / L at the two order statistics is the quantile of p.
 
-    Passes from SPARSE_FROM on count the few keys still matching with atomics into the
-    row's slice of ``Hist`` (read back and zeroed in the same pass) instead of a
-    register histogram, whose cost is per key whether it matches or not.
+    SAMPLE > 0: a sorted sample brackets rank k and only the keys inside are selected
+    (``_bracket_select``); where the bracket misses, and for SAMPLE = 0, the radix select
+    over every key runs (``_radix_select``).
     """
     row = tl.program_id(0).to(tl.int64)
     b = row // HQ
@@ -894,14 +904,38 @@ def _quantile_kernel(
     l = tl.sum(l, axis=0)
     begin, end, rank, frac = _qrank(Tau, SeqLens, Starts, row, b, S_MAX, HAS_SEQ_LENS, HAS_STARTS)
     n = end - begin
+    s_row = Scores + row * S_MAX + begin
+    h_rows = Hist + row * 1024
+    miss = n >= 0  # without a sample, the full select
+    t = (n * 0).to(tl.uint32)
+    t_hi = t
+    if SAMPLE > 0:
+        miss, t, t_hi = _bracket_select(s_row, n, rank, h_rows, SAMPLE, MARGIN, BLOCK, STAGES, PREFETCH)
+    if miss:
+        t, t_hi = _radix_select(s_row, n, rank, h_rows, BLOCK, STAGES, PREFETCH, SPARSE_FROM)
+    tl.store(Theta + row, _interpolate(t, t_hi, frac, m, l))
 
+
+@triton.jit
+def _radix_select(s_row, n, rank, h_rows, BLOCK: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr,
+                  SPARSE_FROM: tl.constexpr):
+    """(k-th key, next key) of a row of n scores streamed from memory, k = ``rank``.
+
+    Radix select: 8 bits of the order-preserving 32-bit key per pass (MSB first); each
+    pass histograms the next digit of the keys that share the digits found so far and
+    picks the bucket holding rank k. The last pass also finds the least key above the
+    k-th key's 24-bit bucket, so the next order statistic (a tie, a larger key of the same
+    bucket, or that one) needs no fifth pass. Passes from SPARSE_FROM on count the few
+    keys still matching with atomics into the row's slice of the histograms (read back
+    and zeroed in the same pass) instead of a register histogram, whose cost is per key
+    whether it matches or not.
+    """
     offs = tl.arange(0, BLOCK)
     bins = tl.arange(0, 256)
-    s_row = Scores + row * S_MAX + begin
     prefix = (n * 0).to(tl.uint32)
     above = tl.full([BLOCK], 0xFFFFFFFF, tl.uint32)
     for p in tl.static_range(4):
-        h_row = Hist + (row * 4 + p) * 256
+        h_row = h_rows + p * 256
         hist = tl.zeros([256], tl.int32)
         x = _first_tile(s_row, offs, n, PREFETCH)
         for n0 in tl.range(0, n, BLOCK, num_stages=STAGES):
@@ -912,9 +946,81 @@ def _quantile_kernel(
             tl.debug_barrier()  # every thread's counts are in before they are read
             hist = tl.atomic_xchg(h_row + bins, tl.zeros([256], tl.int32), sem="relaxed")
         prefix, rank, n_in = _pick_bucket(hist, rank, prefix, p)
+    return prefix, _next_key(prefix, rank, n_in, hist, tl.min(above, axis=0))
 
-    t_hi = _next_key(prefix, rank, n_in, hist, tl.min(above, axis=0))
-    tl.store(Theta + row, _interpolate(prefix, t_hi, frac, m, l))
+
+@triton.jit
+def _bracket_select(s_row, n, rank, h_rows, SAMPLE: tl.constexpr, MARGIN: tl.constexpr, BLOCK: tl.constexpr,
+                    STAGES: tl.constexpr, PREFETCH: tl.constexpr):
+    """(missed, k-th key, next key) of a row of n scores, k = ``rank``, in fewer and cheaper passes.
+
+    SAMPLE evenly spaced keys, sorted, give a bracket [lo, hi]: the sample keys MARGIN
+    ranks below and above rank k's place in the sample. The radix select then runs on the
+    offsets u - lo of the keys inside only: as many 8-bit digits as the bracket's width
+    needs (about 3 where the register-histogram select takes 4), each counted with one
+    atomic per key still matching. The first pass also counts the keys below and inside
+    the bracket; a miss (rank k outside it: a sample unlike the row) is returned, and the
+    caller runs the full radix select instead.
+    """
+    js = tl.arange(0, SAMPLE)
+    pos = (js.to(tl.int64) * n) // SAMPLE
+    sample = tl.sort(_ukey(tl.load(s_row + pos, mask=pos < n, other=0.0)))
+    at = (rank.to(tl.int64) * SAMPLE) // tl.maximum(n, 1)
+    lo = tl.max(tl.where(js == at - MARGIN, sample, 0), axis=0)  # none below: the least key
+    hi = tl.max(tl.where(js == at + MARGIN, sample, 0), axis=0)
+    hi = tl.where(at + MARGIN < SAMPLE, hi, 0xFFFFFFFF)
+    width = hi - lo
+    digits = 1 + (width > 0xFF).to(tl.int32) + (width > 0xFFFF).to(tl.int32) + (width > 0xFFFFFF).to(tl.int32)
+
+    offs = tl.arange(0, BLOCK)
+    bins = tl.arange(0, 256)
+    prefix = lo * 0
+    n_in = n * 0
+    hist = tl.zeros([256], tl.int32)
+    above = tl.full([BLOCK], 0xFFFFFFFF, tl.uint32)
+    miss = n < 0
+    for p in range(0, digits):
+        shift = (8 * (digits - 1 - p)).to(tl.uint32)
+        # The digits above this one (none in the first pass: its bits above the bracket's
+        # width are zero for every key inside).
+        higher = ((tl.full([], 0xFFFFFFFF, tl.uint64) << (shift + 8).to(tl.uint64)) & 0xFFFFFFFF).to(tl.uint32)
+        h_row = h_rows + p * 256
+        below = tl.zeros([BLOCK], tl.int32)
+        above = tl.full([BLOCK], 0xFFFFFFFF, tl.uint32)
+        x = _first_tile(s_row, offs, n, PREFETCH)
+        for n0 in tl.range(0, n, BLOCK, num_stages=STAGES):
+            idx = n0 + offs
+            x, cur = _next_tile(s_row, idx, n, x, BLOCK, PREFETCH)
+            u = _ukey(cur)
+            ok = idx < n
+            below += (ok & (u < lo)).to(tl.int32)
+            above = _bracket_digit(u, ok, lo, hi, prefix, above, h_row, shift, higher)
+        tl.debug_barrier()  # every thread's counts are in before they are read
+        hist = tl.atomic_xchg(h_row + bins, tl.zeros([256], tl.int32), sem="relaxed")
+        if p == 0:
+            rank -= tl.sum(below, axis=0)
+            miss = (rank < 0) | (rank >= tl.sum(hist, axis=0))
+        if not miss:
+            prefix, rank, n_in = _pick_digit(hist, rank, prefix, shift)
+        # A miss skips the remaining passes (Triton has no break): they see an empty row.
+        n = tl.where(miss, 0, n)
+    return miss, lo + prefix, lo + _next_key(prefix, rank, n_in, hist, tl.min(above, axis=0))
+
+
+@triton.jit
+def _bracket_digit(u, valid, lo, hi, prefix, above, h_row, shift, higher):
+    """One radix pass over the offsets d = u - lo of the keys in [lo, hi]: one atomic per
+    key whose ``higher`` digits equal ``prefix``'s, at the digit at ``shift``. Returns
+    ``above`` lowered to the offsets of the keys past d's 24-bit bucket or above hi (the
+    next order statistic when no key inside the bracket follows the k-th in its bucket;
+    used after the last pass).
+    """
+    valid = valid & (u >= lo)
+    d = u - lo
+    above = tl.minimum(above, tl.where(valid & ((d > (prefix | 0xFF)) | (u > hi)), d, 0xFFFFFFFF))
+    valid = valid & (u <= hi) & ((d & higher) == (prefix & higher))
+    tl.atomic_add(h_row + ((d >> shift) & 0xFF).to(tl.int32), 1, mask=valid, sem="relaxed")
+    return above
 
 
 @triton.jit
@@ -941,12 +1047,19 @@ def _count_digit(u, valid, prefix, hist, above, h_row, PASS: tl.constexpr, SPARS
 @triton.jit
 def _pick_bucket(hist, rank, prefix, PASS: tl.constexpr):
     """The bucket of pass PASS's histogram holding rank ``rank``: (prefix with its digit, rank left in it, its keys)."""
+    return _pick_digit(hist, rank, prefix, 24 - 8 * PASS)
+
+
+@triton.jit
+def _pick_digit(hist, rank, prefix, shift):
+    """The bucket of a histogram of the digit at ``shift`` holding rank ``rank``: (prefix with
+    that digit, rank left in it, its keys)."""
     bins = tl.arange(0, 256)
     csum = tl.cumsum(hist, axis=0)
     d = tl.sum((csum <= rank).to(tl.int32), axis=0)  # first bucket whose cumsum passes rank
     rank -= tl.max(tl.where(csum <= rank, csum, 0), axis=0)
     n_in = tl.sum(tl.where(bins == d, hist, 0), axis=0)
-    return prefix | (d.to(tl.uint32) << (24 - 8 * PASS)), rank, n_in
+    return prefix | (d.to(tl.uint32) << shift), rank, n_in
 
 
 @triton.jit
@@ -1157,7 +1270,9 @@ def quantile_pass(geo: dict, ws: Workspace, tau: torch.Tensor, seq_lens, starts,
             ws.scores, mst, lst, tau, sl_arg, st_arg, ws.qhist, theta, geo["S"], ns,
             HQ=geo["Hq"], BLOCK=cfg.quantile_block, BLOCK_S1=block_s,
             HAS_SEQ_LENS=has_sl, HAS_STARTS=has_st, STAGES=cfg.quantile_stages,
-            PREFETCH=cfg.quantile_prefetch, SPARSE_FROM=cfg.quantile_sparse_from, num_warps=cfg.quantile_warps,
+            PREFETCH=cfg.quantile_prefetch, SPARSE_FROM=cfg.quantile_sparse_from,
+            SAMPLE=cfg.quantile_sample, MARGIN=cfg.quantile_margin,
+            num_warps=cfg.quantile_warps,
         )
         return theta
     try:
