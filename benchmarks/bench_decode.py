@@ -372,7 +372,7 @@ def run_tune_grid(args):
     base = td.config_for(torch.device(DEV))
     dense_keys = {"block_nd", "warpsd", "stagesd", "programsd", "min_splitd", "residentd", "filld", "whole_wavesd", "wavesd", "warmup_dense", "quantile_block",
                   "quantile_warps", "quantile_stages", "quantile_parallel", "programsq", "min_splitq", "residentq", "evict", "fill",
-                  "quantile_prefetch", "quantile_sparse_from", "quantile_sample", "quantile_margin"}
+                  "quantile_prefetch", "quantile_sparse_from", "quantile_sample", "quantile_margin", "quantile_bracket_bits", "quantile_bracket_bits_short", "quantile_long_row"}
     scores_keys = {"block_n1", "warps1", "stages1", "programs1", "min_split1", "fill", "resident1", "waves1", "evict", "use_dot"}
     for (B, Hq, Hkv, S) in shapes:
         D, dt = 128, torch.float16

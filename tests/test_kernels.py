@@ -736,6 +736,9 @@ def radix_select_results() -> list[dict]:
     # runs), 32 (the default; rarely), 8 of a sample of 64 (keys outside the bracket in the last bucket).
     variants += [dict(quantile_parallel=False, quantile_sample=sample, quantile_margin=margin)
                  for sample, margin in ((256, 0), (512, 2), (512, 32), (64, 8))]
+    # Digits of 12 bits (up to 3 passes) and 4 bits (up to 8) inside the bracket.
+    variants += [dict(quantile_parallel=False, quantile_sample=64, quantile_margin=margin, quantile_bracket_bits=bits,
+                      quantile_long_row=0) for margin, bits in ((8, 12), (2, 12), (8, 4))]
     for variant in variants:
         cfg = td.KernelConfig(**{**SMALL, **variant})
         geo = td.geometry(B, Hq, Hq, S, 64, torch.float32, scores.device, cfg)
@@ -753,7 +756,7 @@ def radix_select_results() -> list[dict]:
         out.append(dict(variant,
                         rel=float(((thetas[0].double() - want).abs() / want).max()),
                         repeat_equal=bool(torch.equal(thetas[0], thetas[1])),
-                        hist_nonzero=int(ws.qhist.count_nonzero()),
+                        hist_nonzero=int(ws.qhist.count_nonzero() + ws.qbracket.count_nonzero()),
                         next_reset=bool((ws.qnext == 2**31 - 1).all())))
     return out
 
@@ -822,7 +825,7 @@ def test_triton_warmup_quantile_exact_scores(triton_results):
 
 def test_triton_radix_select_on_crafted_scores(triton_results):
     rows = triton_results["radix"]
-    assert len(rows) == 10
+    assert len(rows) == 13
     for r in rows:
         # A neighbouring order statistic would be off by 0.5%; float32 exp2 and the interpolation by ~1e-7.
         assert r["rel"] < 2e-6, r

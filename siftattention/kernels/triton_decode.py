@@ -148,6 +148,13 @@ class KernelConfig:
     # the radix select over every key (exact either way).
     quantile_sample: int = 512
     quantile_margin: int = 32
+    # Bits per radix digit inside the bracket (2**bits bins a pass): 12 takes 2 passes where 8
+    # takes 3 (GQA B = 8 / 16, S = 32768: warmup 1.43 -> 1.38x SDPA), but reading back and
+    # scanning 4096 bins costs more than a pass over a short row (MHA, S = 8192: 1.18 -> 1.20x),
+    # so caches shorter than ``quantile_long_row`` keys use ``quantile_bracket_bits_short``.
+    quantile_bracket_bits: int = 12
+    quantile_bracket_bits_short: int = 8
+    quantile_long_row: int = 16384
     programsq: int = 4
     min_splitq: int = 4096
     residentq: int = 4
@@ -176,6 +183,9 @@ class KernelConfig:
             v = getattr(self, name)
             if v < 0 or v & (v - 1) or (v == 0 and name == "quantile_block"):
                 raise ValueError(f"KernelConfig.{name} must be a power of two{' or 0' if name == 'quantile_sample' else ''}, got {v}")
+        for name in ("quantile_bracket_bits", "quantile_bracket_bits_short"):
+            if not 4 <= getattr(self, name) <= 12:
+                raise ValueError(f"KernelConfig.{name} must be in 4..12, got {getattr(self, name)}")
         if self.quantile_margin < 0:
             raise ValueError(f"KernelConfig.quantile_margin must be >= 0, got {self.quantile_margin}")
 
@@ -287,6 +297,7 @@ def _plan(
         prec="ieee" if dtype == torch.float32 else "tf32",
         upcast=dtype == torch.bfloat16 and interp,
         quantile_parallel=(B * Hq <= sms) if cfg.quantile_parallel == "auto" else bool(cfg.quantile_parallel),
+        QBITS=cfg.quantile_bracket_bits if S >= cfg.quantile_long_row else cfg.quantile_bracket_bits_short,
         nq=nq, BLOCK_Q=min(cfg.quantile_block, max(256, _pow2(_cdiv(S, nq)))),
         ns1=ns1, BLOCK_S1=_pow2(ns1), ns2=ns2, BLOCK_S2=_pow2(ns2), nsd=nsd, BLOCK_SD=_pow2(nsd),
         # Splits per load in the combine steps: a [CH, G, D] float32 tile of about 4096 elements.
@@ -880,11 +891,11 @@ def _next_tile(s_row, idx, n, ahead, BLOCK: tl.constexpr, PREFETCH: tl.constexpr
 
 @triton.jit
 def _quantile_kernel(
-    Scores, Mst, Lst, Tau, SeqLens, Starts, Hist, Theta,
+    Scores, Mst, Lst, Tau, SeqLens, Starts, Hist, BracketHist, Theta,
     S_MAX, NUM_SPLITS1,
     HQ: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S1: tl.constexpr,
     HAS_SEQ_LENS: tl.constexpr, HAS_STARTS: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr,
-    SPARSE_FROM: tl.constexpr, SAMPLE: tl.constexpr, MARGIN: tl.constexpr,
+    SPARSE_FROM: tl.constexpr, SAMPLE: tl.constexpr, MARGIN: tl.constexpr, BITS: tl.constexpr,
 ):
     """theta = tau-quantile of one row's probabilities, torch.quantile's 'linear' rule.
 
@@ -910,7 +921,9 @@ def _quantile_kernel(
     t = (n * 0).to(tl.uint32)
     t_hi = t
     if SAMPLE > 0:
-        miss, t, t_hi = _bracket_select(s_row, n, rank, h_rows, SAMPLE, MARGIN, BLOCK, STAGES, PREFETCH)
+        n_digits: tl.constexpr = (32 + BITS - 1) // BITS
+        miss, t, t_hi = _bracket_select(s_row, n, rank, BracketHist + row * (n_digits << BITS), SAMPLE, MARGIN, BITS,
+                                        BLOCK, STAGES, PREFETCH)
     if miss:
         t, t_hi = _radix_select(s_row, n, rank, h_rows, BLOCK, STAGES, PREFETCH, SPARSE_FROM)
     tl.store(Theta + row, _interpolate(t, t_hi, frac, m, l))
@@ -950,18 +963,19 @@ def _radix_select(s_row, n, rank, h_rows, BLOCK: tl.constexpr, STAGES: tl.conste
 
 
 @triton.jit
-def _bracket_select(s_row, n, rank, h_rows, SAMPLE: tl.constexpr, MARGIN: tl.constexpr, BLOCK: tl.constexpr,
-                    STAGES: tl.constexpr, PREFETCH: tl.constexpr):
+def _bracket_select(s_row, n, rank, h_rows, SAMPLE: tl.constexpr, MARGIN: tl.constexpr, BITS: tl.constexpr,
+                    BLOCK: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr):
     """(missed, k-th key, next key) of a row of n scores, k = ``rank``, in fewer and cheaper passes.
 
     SAMPLE evenly spaced keys, sorted, give a bracket [lo, hi]: the sample keys MARGIN
     ranks below and above rank k's place in the sample. The radix select then runs on the
-    offsets u - lo of the keys inside only: as many 8-bit digits as the bracket's width
-    needs (about 3 where the register-histogram select takes 4), each counted with one
-    atomic per key still matching. The first pass also counts the keys below and inside
-    the bracket; a miss (rank k outside it: a sample unlike the row) is returned, and the
-    caller runs the full radix select instead.
+    offsets u - lo of the keys inside only, BITS bits a pass: as many digits as the
+    bracket's width needs, each counted with one atomic per key still matching into the
+    row's histograms at ``h_rows`` (2**BITS bins a pass, read back and zeroed). The first
+    pass also counts the keys below the bracket; a miss (rank k outside it: a sample unlike
+    the row) is returned, and the caller runs the full radix select instead.
     """
+    NB: tl.constexpr = 1 << BITS
     js = tl.arange(0, SAMPLE)
     pos = (js.to(tl.int64) * n) // SAMPLE
     sample = tl.sort(_ukey(tl.load(s_row + pos, mask=pos < n, other=0.0)))
@@ -970,21 +984,23 @@ def _bracket_select(s_row, n, rank, h_rows, SAMPLE: tl.constexpr, MARGIN: tl.con
     hi = tl.max(tl.where(js == at + MARGIN, sample, 0), axis=0)
     hi = tl.where(at + MARGIN < SAMPLE, hi, 0xFFFFFFFF)
     width = hi - lo
-    digits = 1 + (width > 0xFF).to(tl.int32) + (width > 0xFFFF).to(tl.int32) + (width > 0xFFFFFF).to(tl.int32)
+    digits = n * 0 + 1
+    for j in tl.static_range(1, (32 + BITS - 1) // BITS):
+        digits += ((width >> (BITS * j)) > 0).to(tl.int32)
 
     offs = tl.arange(0, BLOCK)
-    bins = tl.arange(0, 256)
+    bins = tl.arange(0, NB)
     prefix = lo * 0
     n_in = n * 0
-    hist = tl.zeros([256], tl.int32)
+    hist = tl.zeros([NB], tl.int32)
     above = tl.full([BLOCK], 0xFFFFFFFF, tl.uint32)
     miss = n < 0
     for p in range(0, digits):
-        shift = (8 * (digits - 1 - p)).to(tl.uint32)
+        shift = (BITS * (digits - 1 - p)).to(tl.uint32)
         # The digits above this one (none in the first pass: its bits above the bracket's
         # width are zero for every key inside).
-        higher = ((tl.full([], 0xFFFFFFFF, tl.uint64) << (shift + 8).to(tl.uint64)) & 0xFFFFFFFF).to(tl.uint32)
-        h_row = h_rows + p * 256
+        higher = ((tl.full([], 0xFFFFFFFF, tl.uint64) << (shift + BITS).to(tl.uint64)) & 0xFFFFFFFF).to(tl.uint32)
+        h_row = h_rows + p * NB
         below = tl.zeros([BLOCK], tl.int32)
         above = tl.full([BLOCK], 0xFFFFFFFF, tl.uint32)
         x = _first_tile(s_row, offs, n, PREFETCH)
@@ -994,9 +1010,9 @@ def _bracket_select(s_row, n, rank, h_rows, SAMPLE: tl.constexpr, MARGIN: tl.con
             u = _ukey(cur)
             ok = idx < n
             below += (ok & (u < lo)).to(tl.int32)
-            above = _bracket_digit(u, ok, lo, hi, prefix, above, h_row, shift, higher)
+            above = _bracket_digit(u, ok, lo, hi, prefix, above, h_row, shift, higher, NB - 1)
         tl.debug_barrier()  # every thread's counts are in before they are read
-        hist = tl.atomic_xchg(h_row + bins, tl.zeros([256], tl.int32), sem="relaxed")
+        hist = tl.atomic_xchg(h_row + bins, tl.zeros([NB], tl.int32), sem="relaxed")
         if p == 0:
             rank -= tl.sum(below, axis=0)
             miss = (rank < 0) | (rank >= tl.sum(hist, axis=0))
@@ -1008,18 +1024,18 @@ def _bracket_select(s_row, n, rank, h_rows, SAMPLE: tl.constexpr, MARGIN: tl.con
 
 
 @triton.jit
-def _bracket_digit(u, valid, lo, hi, prefix, above, h_row, shift, higher):
+def _bracket_digit(u, valid, lo, hi, prefix, above, h_row, shift, higher, MASK: tl.constexpr):
     """One radix pass over the offsets d = u - lo of the keys in [lo, hi]: one atomic per
-    key whose ``higher`` digits equal ``prefix``'s, at the digit at ``shift``. Returns
-    ``above`` lowered to the offsets of the keys past d's 24-bit bucket or above hi (the
-    next order statistic when no key inside the bracket follows the k-th in its bucket;
-    used after the last pass).
+    key whose ``higher`` digits equal ``prefix``'s, at the digit ``(d >> shift) & MASK``.
+    Returns ``above`` lowered to the offsets of the keys past d's last-digit bucket or above
+    hi (the next order statistic when no key inside the bracket follows the k-th in its
+    bucket; used after the last pass).
     """
     valid = valid & (u >= lo)
     d = u - lo
-    above = tl.minimum(above, tl.where(valid & ((d > (prefix | 0xFF)) | (u > hi)), d, 0xFFFFFFFF))
+    above = tl.minimum(above, tl.where(valid & ((d > (prefix | MASK)) | (u > hi)), d, 0xFFFFFFFF))
     valid = valid & (u <= hi) & ((d & higher) == (prefix & higher))
-    tl.atomic_add(h_row + ((d >> shift) & 0xFF).to(tl.int32), 1, mask=valid, sem="relaxed")
+    tl.atomic_add(h_row + ((d >> shift) & MASK).to(tl.int32), 1, mask=valid, sem="relaxed")
     return above
 
 
@@ -1054,7 +1070,7 @@ def _pick_bucket(hist, rank, prefix, PASS: tl.constexpr):
 def _pick_digit(hist, rank, prefix, shift):
     """The bucket of a histogram of the digit at ``shift`` holding rank ``rank``: (prefix with
     that digit, rank left in it, its keys)."""
-    bins = tl.arange(0, 256)
+    bins = tl.arange(0, hist.shape[0])
     csum = tl.cumsum(hist, axis=0)
     d = tl.sum((csum <= rank).to(tl.int32), axis=0)  # first bucket whose cumsum passes rank
     rank -= tl.max(tl.where(csum <= rank, csum, 0), axis=0)
@@ -1076,13 +1092,15 @@ def _next_key(t, rank, n_in, last_hist, above):
     """The (k+1)-th smallest key after the radix select found the k-th, ``t``.
 
     ``rank``: t's rank among the keys equal to it, ``n_in`` of them; ``last_hist``: the
-    last digit's histogram of t's 24-bit bucket (exact keys); ``above``: the least key
-    above that bucket (all ones: none). None at all (k = n - 1): t itself.
+    last digit's histogram of t's bucket (the keys sharing all of t's bits above that
+    digit; its bins are exact keys); ``above``: the least key past that bucket (all ones:
+    none). None at all (k = n - 1): t itself.
     """
-    bins = tl.arange(0, 256)
-    nb = tl.min(tl.where((bins > (t & 0xFF).to(tl.int32)) & (last_hist > 0), bins, 256), axis=0)
-    same_bucket = (t & 0xFFFFFF00) | nb.to(tl.uint32)
-    later = tl.where(nb < 256, same_bucket, tl.where(above == 0xFFFFFFFF, t, above))
+    NB: tl.constexpr = last_hist.shape[0]
+    bins = tl.arange(0, NB)
+    nb = tl.min(tl.where((bins > (t & (NB - 1)).to(tl.int32)) & (last_hist > 0), bins, NB), axis=0)
+    same_bucket = (t - (t & (NB - 1))) | nb.to(tl.uint32)
+    later = tl.where(nb < NB, same_bucket, tl.where(above == 0xFFFFFFFF, t, above))
     return tl.where(rank + 1 < n_in, t, later)
 
 
@@ -1207,6 +1225,10 @@ class Workspace:
             # (batch, query head); the kernels set them back for the next call.
             self.qhist = torch.zeros(B * Hq, 4, 256, device=device, dtype=i32)
             self.qnext = torch.full((B * Hq,), 2**31 - 1, device=device, dtype=i32)
+            # The sampled bracket's digit histograms, one slice per digit (one program per row).
+            bits = geo["QBITS"]
+            self.qbracket = torch.zeros(B * Hq, 0 if geo["quantile_parallel"] else -(-32 // bits) << bits,
+                                        device=device, dtype=i32)
         self.dpart = torch.empty(B, Hq, geo["nsd"], geo["BLOCK_D"], device=device, dtype=f32)
         self.dm = torch.empty(B, Hq, geo["nsd"], device=device, dtype=f32)
         self.dl = torch.empty(B, Hq, geo["nsd"], device=device, dtype=f32)
@@ -1267,11 +1289,11 @@ def quantile_pass(geo: dict, ws: Workspace, tau: torch.Tensor, seq_lens, starts,
     rows = geo["B"] * geo["Hq"]
     if not geo["quantile_parallel"]:
         _quantile_kernel[(rows,)](
-            ws.scores, mst, lst, tau, sl_arg, st_arg, ws.qhist, theta, geo["S"], ns,
+            ws.scores, mst, lst, tau, sl_arg, st_arg, ws.qhist, ws.qbracket, theta, geo["S"], ns,
             HQ=geo["Hq"], BLOCK=cfg.quantile_block, BLOCK_S1=block_s,
             HAS_SEQ_LENS=has_sl, HAS_STARTS=has_st, STAGES=cfg.quantile_stages,
             PREFETCH=cfg.quantile_prefetch, SPARSE_FROM=cfg.quantile_sparse_from,
-            SAMPLE=cfg.quantile_sample, MARGIN=cfg.quantile_margin,
+            SAMPLE=cfg.quantile_sample, MARGIN=cfg.quantile_margin, BITS=geo["QBITS"],
             num_warps=cfg.quantile_warps,
         )
         return theta
