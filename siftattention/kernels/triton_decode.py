@@ -900,7 +900,7 @@ def _quantile_kernel(
     """theta = tau-quantile of one row's probabilities, torch.quantile's 'linear' rule.
 
     The k-th smallest score (k = floor(tau * (n - 1))) and the next one are found exactly,
-    without a sort. Probabilities are monotone in the scores, so interpolating
+    without sorting the row. Probabilities are monotone in the scores, so interpolating
     exp2(s - M) / L at the two order statistics is the quantile of p.
 
     SAMPLE > 0: a sorted sample brackets rank k and only the keys inside are selected
