@@ -370,9 +370,13 @@ def run_tune_grid(args):
     if args.shapes:
         shapes = [tuple(map(int, x.split(","))) for x in args.shapes]
     base = td.config_for(torch.device(DEV))
-    dense_keys = {"block_nd", "warpsd", "stagesd", "programsd", "min_splitd", "residentd", "filld", "whole_wavesd", "wavesd", "warmup_dense", "quantile_block",
-                  "quantile_warps", "quantile_stages", "quantile_parallel", "programsq", "min_splitq", "residentq", "evict", "fill",
-                  "quantile_prefetch", "quantile_sparse_from", "quantile_sample", "quantile_margin", "quantile_bracket_bits", "quantile_bracket_bits_short", "quantile_long_row"}
+    # Knobs of the dense kernel and of the warmup (every quantile_* knob too).
+    dense_keys = {"block_nd", "warpsd", "stagesd", "programsd", "min_splitd", "residentd", "filld", "whole_wavesd", "wavesd", "warmup_dense",
+                  "programsq", "min_splitq", "residentq", "evict", "fill"}
+
+    def dense_knobs(kw: dict) -> set:
+        return {k for k in kw if k in dense_keys or k.startswith("quantile_")}
+
     scores_keys = {"block_n1", "warps1", "stages1", "programs1", "min_split1", "fill", "resident1", "waves1", "evict", "use_dot"}
     for (B, Hq, Hkv, S) in shapes:
         D, dt = 128, torch.float16
@@ -395,7 +399,7 @@ def run_tune_grid(args):
                 t = bench_graph(lambda q, k, v: td.scores_pass(geo, ws, q, k, scale, sl, None, cfg, False), sets)
                 ws.sync.zero_()  # the scores pass alone advanced the arrival counters
                 res["scores_pass"] = dict(ms=t, ratio=t / t_sdpa)
-            dense_only = bool(kw) and set(kw) <= dense_keys - {"evict", "fill"}
+            dense_only = bool(kw) and dense_knobs(kw) - {"evict", "fill"} == set(kw)
             for j, sp in enumerate([] if dense_only else sps):
                 etas = [t[j][0] for t in ths]
                 q, k, v = sets[0]
@@ -408,7 +412,7 @@ def run_tune_grid(args):
                     print("fail", kw, repr(e)[:300], flush=True)
                     ok, err, tg = False, float("nan"), float("nan")
                 res[f"sift_{sp}"] = dict(ok=ok, err=err, ms=tg, ratio=tg / t_sdpa)
-            if not kw or dense_keys & set(kw):
+            if not kw or dense_knobs(kw):
                 try:
                     q, k, v = sets[0]
                     derr = max(rel_err(kern.dense(q, k, v, sl)[b], ref_out64(q, k, v, torch.zeros(B, Hq, device=DEV), b)) for b in range(B))

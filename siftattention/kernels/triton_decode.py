@@ -286,6 +286,9 @@ def _plan(
     nsd = _splits(S, rows, block_nd, cfg.programsd, sms, cfg.min_splitd, cfg.filld, cfg.residentd, cfg.whole_wavesd,
                   max_waves=cfg.wavesd)
     nq = _splits(S, B * Hq, 256, cfg.programsq, sms, cfg.min_splitq, cfg.fill, cfg.residentq)
+    quantile_parallel = (B * Hq <= sms) if cfg.quantile_parallel == "auto" else bool(cfg.quantile_parallel)
+    qbits = cfg.quantile_bracket_bits if S >= cfg.quantile_long_row else cfg.quantile_bracket_bits_short
+    bracket = not quantile_parallel and cfg.quantile_sample > 0
     return dict(
         B=B, Hq=Hq, Hkv=Hkv, S=S, D=D, G=G, dtype=dtype, use_dot=cfg.use_dot,
         BLOCK_N1=block_n1, BLOCK_N2=block_n2, BLOCK_ND=block_nd, BLOCK_NB=block_nb, STAGES_B=stages_b,
@@ -296,8 +299,9 @@ def _plan(
         BLOCK_D=max(16, _pow2(D)),
         prec="ieee" if dtype == torch.float32 else "tf32",
         upcast=dtype == torch.bfloat16 and interp,
-        quantile_parallel=(B * Hq <= sms) if cfg.quantile_parallel == "auto" else bool(cfg.quantile_parallel),
-        QBITS=cfg.quantile_bracket_bits if S >= cfg.quantile_long_row else cfg.quantile_bracket_bits_short,
+        quantile_parallel=quantile_parallel,
+        # The sampled bracket's digit histograms: per row, a slice of 2**bits bins per digit.
+        QBITS=qbits, QBRACKET=(-(-32 // qbits) << qbits) if bracket else 0,
         nq=nq, BLOCK_Q=min(cfg.quantile_block, max(256, _pow2(_cdiv(S, nq)))),
         ns1=ns1, BLOCK_S1=_pow2(ns1), ns2=ns2, BLOCK_S2=_pow2(ns2), nsd=nsd, BLOCK_SD=_pow2(nsd),
         # Splits per load in the combine steps: a [CH, G, D] float32 tile of about 4096 elements.
@@ -896,6 +900,7 @@ def _quantile_kernel(
     HQ: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S1: tl.constexpr,
     HAS_SEQ_LENS: tl.constexpr, HAS_STARTS: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr,
     SPARSE_FROM: tl.constexpr, SAMPLE: tl.constexpr, MARGIN: tl.constexpr, BITS: tl.constexpr,
+    BRACKET_BINS: tl.constexpr,
 ):
     """theta = tau-quantile of one row's probabilities, torch.quantile's 'linear' rule.
 
@@ -921,8 +926,7 @@ def _quantile_kernel(
     t = (n * 0).to(tl.uint32)
     t_hi = t
     if SAMPLE > 0:
-        n_digits: tl.constexpr = (32 + BITS - 1) // BITS
-        miss, t, t_hi = _bracket_select(s_row, n, rank, BracketHist + row * (n_digits << BITS), SAMPLE, MARGIN, BITS,
+        miss, t, t_hi = _bracket_select(s_row, n, rank, BracketHist + row * BRACKET_BINS, SAMPLE, MARGIN, BITS,
                                         BLOCK, STAGES, PREFETCH)
     if miss:
         t, t_hi = _radix_select(s_row, n, rank, h_rows, BLOCK, STAGES, PREFETCH, SPARSE_FROM)
@@ -1225,10 +1229,7 @@ class Workspace:
             # (batch, query head); the kernels set them back for the next call.
             self.qhist = torch.zeros(B * Hq, 4, 256, device=device, dtype=i32)
             self.qnext = torch.full((B * Hq,), 2**31 - 1, device=device, dtype=i32)
-            # The sampled bracket's digit histograms, one slice per digit (one program per row).
-            bits = geo["QBITS"]
-            self.qbracket = torch.zeros(B * Hq, 0 if geo["quantile_parallel"] else -(-32 // bits) << bits,
-                                        device=device, dtype=i32)
+            self.qbracket = torch.zeros(B * Hq, geo["QBRACKET"], device=device, dtype=i32)  # sampled bracket
         self.dpart = torch.empty(B, Hq, geo["nsd"], geo["BLOCK_D"], device=device, dtype=f32)
         self.dm = torch.empty(B, Hq, geo["nsd"], device=device, dtype=f32)
         self.dl = torch.empty(B, Hq, geo["nsd"], device=device, dtype=f32)
@@ -1293,7 +1294,7 @@ def quantile_pass(geo: dict, ws: Workspace, tau: torch.Tensor, seq_lens, starts,
             HQ=geo["Hq"], BLOCK=cfg.quantile_block, BLOCK_S1=block_s,
             HAS_SEQ_LENS=has_sl, HAS_STARTS=has_st, STAGES=cfg.quantile_stages,
             PREFETCH=cfg.quantile_prefetch, SPARSE_FROM=cfg.quantile_sparse_from,
-            SAMPLE=cfg.quantile_sample, MARGIN=cfg.quantile_margin, BITS=geo["QBITS"],
+            SAMPLE=cfg.quantile_sample, MARGIN=cfg.quantile_margin, BITS=geo["QBITS"], BRACKET_BINS=geo["QBRACKET"],
             num_warps=cfg.quantile_warps,
         )
         return theta
