@@ -372,7 +372,7 @@ def run_tune_grid(args):
     base = td.config_for(torch.device(DEV))
     # Knobs of the dense kernel and of the warmup (every quantile_* knob too).
     dense_keys = {"block_nd", "warpsd", "stagesd", "programsd", "min_splitd", "residentd", "filld", "whole_wavesd", "wavesd", "warmup_dense",
-                  "programsq", "min_splitq", "residentq", "evict", "fill"}
+                  "min_splitq", "evict", "fill"}
 
     def dense_knobs(kw: dict) -> set:
         return {k for k in kw if k in dense_keys or k.startswith("quantile_")}

@@ -291,7 +291,9 @@ def test_kernel_config_rejects_bad_quantile_knobs():
 
     for kw, msg in (({"quantile_sample": 500}, "quantile_sample must be a power of two or 0"),
                     ({"quantile_block": 0}, "quantile_block must be a power of two"),
-                    ({"quantile_margin": -1}, "quantile_margin must be >= 0")):
+                    ({"quantile_margin": -1}, "quantile_margin must be >= 0"),
+                    ({"quantile_resident": 0}, "quantile_resident must be >= 1"),
+                    ({"min_splitq": 0}, "min_splitq must be >= 1")):
         with pytest.raises(ValueError, match=msg):
             KernelConfig(**kw)
     assert KernelConfig(quantile_sample=0).quantile_sample == 0
@@ -432,7 +434,8 @@ def plan_results(device: str, backend: str, cases, config=None, seed_base: int =
                 )
             if backend == "triton":  # counters and quantile buffers are back at their rest values
                 ws = kern.workspace
-                row["sync_zero"] = bool((ws.sync == 0).all() and (ws.qhist == 0).all() and (ws.qnext == 2**31 - 1).all())
+                row["sync_zero"] = bool((ws.sync == 0).all() and (ws.qhist == 0).all() and (ws.qnext == 2**31 - 1).all()
+                                        and (ws.qsync == 0).all() and (ws.qbracket == 0).all())
             else:
                 row["sync_zero"] = True
             res.append(row)
@@ -721,28 +724,35 @@ def crafted_score_rows(gen) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return scores, tau, seq_lens
 
 
-def radix_select_results() -> list[dict]:
+def radix_select_variants(parallel: bool) -> list[dict]:
+    """Quantile-kernel configurations for ``radix_select_results``; ``parallel``: rows cut into
+    chunks (on the GPU; the interpreter runs one program per row)."""
+    variants = [dict(quantile_parallel=parallel, quantile_sparse_from=sparse_from, quantile_sample=0)
+                for sparse_from in (0, 2, 4)]
+    # The sampled bracket: 0 and 2 sample ranks either side (often missed: the full select
+    # runs), 32 (the default; rarely), 8 of a sample of 64 (keys outside the bracket in the last bucket).
+    variants += [dict(quantile_parallel=parallel, quantile_sample=sample, quantile_margin=margin)
+                 for sample, margin in ((256, 0), (512, 2), (512, 32), (64, 8))]
+    # Digits of 12 bits (up to 3 passes) and 4 bits (up to 8) inside the bracket.
+    variants += [dict(quantile_parallel=parallel, quantile_sample=64, quantile_margin=margin,
+                      quantile_bracket_bits=bits, quantile_long_row=0) for margin, bits in ((8, 12), (2, 12), (8, 4))]
+    return variants
+
+
+def radix_select_results(device: str = "cpu", variants: list[dict] | None = None) -> list[dict]:
     """The radix select alone on crafted scores: theta against float64 torch.quantile, and the
-    histogram state left for the next call, for both kernel forms and every atomic-pass choice."""
+    histogram state left for the next call, for every kernel form and atomic-pass choice."""
     from siftattention.kernels import triton_decode as td
 
     gen = torch.Generator().manual_seed(5)
     scores, tau, seq_lens = crafted_score_rows(gen)
     B, Hq, S = scores.shape
+    dev = torch.device(device)
     out = []
-    variants = [dict(quantile_parallel=parallel, quantile_sparse_from=sparse_from, quantile_sample=0)
-                for parallel in (False, True) for sparse_from in (0, 2, 4)]
-    # The sampled bracket: 0 and 2 sample ranks either side (often missed: the full select
-    # runs), 32 (the default; rarely), 8 of a sample of 64 (keys outside the bracket in the last bucket).
-    variants += [dict(quantile_parallel=False, quantile_sample=sample, quantile_margin=margin)
-                 for sample, margin in ((256, 0), (512, 2), (512, 32), (64, 8))]
-    # Digits of 12 bits (up to 3 passes) and 4 bits (up to 8) inside the bracket.
-    variants += [dict(quantile_parallel=False, quantile_sample=64, quantile_margin=margin, quantile_bracket_bits=bits,
-                      quantile_long_row=0) for margin, bits in ((8, 12), (2, 12), (8, 4))]
-    for variant in variants:
+    for variant in variants or radix_select_variants(False):
         cfg = td.KernelConfig(**{**SMALL, **variant})
-        geo = td.geometry(B, Hq, Hq, S, 64, torch.float32, scores.device, cfg)
-        ws = td.Workspace(geo, scores.device)
+        geo = td.geometry(B, Hq, Hq, S, 64, torch.float32, dev, cfg)
+        ws = td.Workspace(geo, dev)
         ws.scores.copy_(scores)
         valid = torch.arange(S)[None, None, :] < seq_lens[:, None, None]
         m = torch.where(valid, scores, float("-inf")).amax(-1)
@@ -752,11 +762,12 @@ def radix_select_results() -> list[dict]:
         p = torch.exp2(scores.double() - m.double()[..., None]) / l.double()[..., None]
         want = torch.tensor([[float(torch.quantile(p[b, h, : seq_lens[b]], tau[b, h])) for h in range(Hq)]
                              for b in range(B)], dtype=torch.float64)
-        thetas = [td.quantile_pass(geo, ws, tau, seq_lens.int(), None, cfg) for _ in range(2)]
-        out.append(dict(variant,
+        thetas = [td.quantile_pass(geo, ws, tau.to(dev), seq_lens.int().to(dev), None, cfg).cpu() for _ in range(2)]
+        out.append(dict(variant, chunks=geo["NQ"],
                         rel=float(((thetas[0].double() - want).abs() / want).max()),
                         repeat_equal=bool(torch.equal(thetas[0], thetas[1])),
-                        hist_nonzero=int(ws.qhist.count_nonzero() + ws.qbracket.count_nonzero()),
+                        hist_nonzero=int(ws.qhist.count_nonzero() + ws.qbracket.count_nonzero()
+                                         + ws.qsync.count_nonzero()),
                         next_reset=bool((ws.qnext == 2**31 - 1).all())))
     return out
 
@@ -823,13 +834,16 @@ def test_triton_warmup_quantile_exact_scores(triton_results):
         assert math.isfinite(r["ulps"]) and r["ulps"] <= 8, r
 
 
-def test_triton_radix_select_on_crafted_scores(triton_results):
-    rows = triton_results["radix"]
-    assert len(rows) == 13
+def check_radix_rows(rows: list[dict], n: int) -> None:
+    assert len(rows) == n
     for r in rows:
         # A neighbouring order statistic would be off by 0.5%; float32 exp2 and the interpolation by ~1e-7.
         assert r["rel"] < 2e-6, r
         assert r["repeat_equal"] and r["hist_nonzero"] == 0 and r["next_reset"], r
+
+
+def test_triton_radix_select_on_crafted_scores(triton_results):
+    check_radix_rows(triton_results["radix"], 10)
 
 
 def test_triton_plan_matches_float64(triton_results):
@@ -847,6 +861,15 @@ CUDA_CASES = PLAN_CASES + [(2, 32, 8, 3001, 128, "float16"), (1, 32, 8, 20011, 1
 @needs_cuda
 def test_cuda_plan_matches_float64():
     check_plan_rows(plan_results("cuda", "triton", CUDA_CASES), 2 * len(CUDA_CASES))
+
+
+@needs_cuda
+def test_cuda_radix_select_in_row_chunks():
+    """The cooperative quantile: each crafted row cut into 3 chunks whose programs meet after each digit."""
+    variants = [dict(v, min_splitq=16, quantile_resident=4) for v in radix_select_variants(True)]
+    rows = radix_select_results("cuda", variants)
+    check_radix_rows(rows, len(variants))
+    assert all(r["chunks"] == 3 for r in rows if r["quantile_sample"] > 0), rows
 
 
 @needs_cuda
@@ -910,7 +933,8 @@ def test_cuda_graph_capture_of_plans():
             assert float(((theta.cpu().double() - ref_th).abs() / ref_th).max()) < 1e-5
     for kern in plans:  # counters and quantile buffers at rest for the next replay
         ws = kern.workspace
-        assert bool((ws.sync == 0).all() and (ws.qhist == 0).all() and (ws.qnext == 2**31 - 1).all())
+        assert bool((ws.sync == 0).all() and (ws.qhist == 0).all() and (ws.qnext == 2**31 - 1).all()
+                    and (ws.qsync == 0).all() and (ws.qbracket == 0).all())
 
 
 if __name__ == "__main__" and "--triton-worker" in sys.argv:

@@ -28,12 +28,12 @@ Dense step (``dense``): ``_dense_kernel``, flash-decoding: one pass over K and V
 split with an online softmax, the last split program of each row combines.
 
 Warmup step (``warmup``): the dense kernel also storing the scores, then the exact
-tau-quantile of the probabilities by radix select over the order-preserving 32-bit
-image of the float32 scores, four 8-bit digits: one program per row
-(``_quantile_kernel``), or, when rows are few, four chunked launches per row with atomics
-(``_qhist_kernel``) and a finalize (``_qfinal_kernel``). The first two digits are counted
-in register histograms; the last two, which only the few keys left in the chosen bucket
-reach, with one atomic per such key. (``warmup_dense=False``: the scores kernel, the
+tau-quantile of the probabilities (``_quantile_kernel``) by radix select over the
+order-preserving 32-bit image of the float32 scores: a sorted sample of each row brackets
+the wanted rank, and only the keys inside are selected, 8 or 12 bits a pass, counted with
+one atomic per key (the full four-digit select runs where the bracket misses). One program
+per row, or, when rows are few, each row cut into chunks whose programs meet at a counter
+after each digit, in the same launch. (``warmup_dense=False``: the scores kernel, the
 quantile, then the filter kernel keeping every key.)
 
 K and V are loaded with an evict-first L2 policy and the scores stored evict-last,
@@ -133,11 +133,16 @@ class KernelConfig:
     # One quantile program per row: each pass loads its next tile before it histograms the
     # current one (H200, warmup step: GQA B = 8 / 16, S = 32768 1.82 -> 1.77x SDPA).
     quantile_prefetch: bool = True
-    # Row-parallel quantile (5 chunked passes + a finalize launch) instead of one program per
-    # row: "auto" uses it when there are at most as many (batch, query head) rows as SMs
-    # (H200, 32 heads: at B = 1 the warmup costs 2.6x SDPA with it and 3.9x without; at
-    # B = 8 one program per row was 5% faster).
+    # Rows cut into chunks ("auto": when there are at most as many (batch, query head) rows
+    # as SMs): each row's programs count their chunk into the row's histograms and meet at a
+    # counter after each digit, all in one launch (H200, GQA B = 1, S = 32768: warmup 1.74 ->
+    # 1.46x SDPA against one launch per digit). At most ``quantile_resident`` programs per SM,
+    # so that every program of a row is resident at once (they wait for each other: raise it
+    # only where that many fit), and chunks of at least ``min_splitq`` keys. Needs the sampled bracket (quantile_sample > 0);
+    # never under the interpreter, which runs one program at a time.
     quantile_parallel: bool | str = "auto"
+    quantile_resident: int = 1
+    min_splitq: int = 4096
     # Radix passes from this one on (0-3; 4: none) count the keys still matching the digits
     # found so far with one atomic per key instead of a register histogram, which costs the
     # same per key whether it matches or not: after two 8-bit digits few keys are left.
@@ -151,13 +156,12 @@ class KernelConfig:
     # Bits per radix digit inside the bracket (2**bits bins a pass): 12 takes 2 passes where 8
     # takes 3 (GQA B = 8 / 16, S = 32768: warmup 1.43 -> 1.38x SDPA), but reading back and
     # scanning 4096 bins costs more than a pass over a short row (MHA, S = 8192: 1.18 -> 1.20x),
-    # so caches shorter than ``quantile_long_row`` keys use ``quantile_bracket_bits_short``.
+    # so caches shorter than ``quantile_long_row`` keys use ``quantile_bracket_bits_short``
+    # unless rows are cut into chunks, where every digit costs a meeting (GQA B = 1, S = 8192:
+    # 1.86 -> 1.78x with 12 bits).
     quantile_bracket_bits: int = 12
     quantile_bracket_bits_short: int = 8
     quantile_long_row: int = 16384
-    programsq: int = 4
-    min_splitq: int = 4096
-    residentq: int = 4
     # Programmatic dependent launch (Hopper+): the filter kernel starts during the scores
     # kernel's tail and each of its programs waits for its own row only.
     pdl: bool = True
@@ -175,7 +179,9 @@ class KernelConfig:
     warpsd: int = 4
     stagesd: int = 3
     programsd: int = 6
-    min_splitd: int = 2048
+    # Fewest keys per dense split: 4096 instead of 2048 took B = 1, S = 131072 from 1.15 to
+    # 1.07x SDPA and MHA B = 8, S = 8192 from 1.05 to 1.01x; no target shape lost.
+    min_splitd: int = 4096
 
     def __post_init__(self):
         # Tile sizes that become tl.arange lengths: a wrong one would fail deep in the compiler.
@@ -186,8 +192,10 @@ class KernelConfig:
         for name in ("quantile_bracket_bits", "quantile_bracket_bits_short"):
             if not 4 <= getattr(self, name) <= 12:
                 raise ValueError(f"KernelConfig.{name} must be in 4..12, got {getattr(self, name)}")
-        if self.quantile_margin < 0:
-            raise ValueError(f"KernelConfig.quantile_margin must be >= 0, got {self.quantile_margin}")
+        for name in ("quantile_margin", "quantile_resident", "min_splitq"):
+            if getattr(self, name) < (0 if name == "quantile_margin" else 1):
+                raise ValueError(f"KernelConfig.{name} must be >= {0 if name == 'quantile_margin' else 1}, "
+                                 f"got {getattr(self, name)}")
 
 
 # Per-device overrides of the defaults: the first entry whose key is in the device name
@@ -285,10 +293,11 @@ def _plan(
     ns2 = _splits(S, rows, block_n2, cfg.programs2, sms, cfg.min_split2, cfg.fill2, cfg.resident2, cfg.whole_waves2)
     nsd = _splits(S, rows, block_nd, cfg.programsd, sms, cfg.min_splitd, cfg.filld, cfg.residentd, cfg.whole_wavesd,
                   max_waves=cfg.wavesd)
-    nq = _splits(S, B * Hq, 256, cfg.programsq, sms, cfg.min_splitq, cfg.fill, cfg.residentq)
-    quantile_parallel = (B * Hq <= sms) if cfg.quantile_parallel == "auto" else bool(cfg.quantile_parallel)
-    qbits = cfg.quantile_bracket_bits if S >= cfg.quantile_long_row else cfg.quantile_bracket_bits_short
-    bracket = not quantile_parallel and cfg.quantile_sample > 0
+    parallel = (B * Hq <= sms) if cfg.quantile_parallel == "auto" else bool(cfg.quantile_parallel)
+    bracket = cfg.quantile_sample > 0
+    nq = max(1, min((sms * cfg.quantile_resident) // (B * Hq), S // cfg.min_splitq)) if (
+        parallel and bracket and not interp) else 1
+    qbits = cfg.quantile_bracket_bits if S >= cfg.quantile_long_row or nq > 1 else cfg.quantile_bracket_bits_short
     return dict(
         B=B, Hq=Hq, Hkv=Hkv, S=S, D=D, G=G, dtype=dtype, use_dot=cfg.use_dot,
         BLOCK_N1=block_n1, BLOCK_N2=block_n2, BLOCK_ND=block_nd, BLOCK_NB=block_nb, STAGES_B=stages_b,
@@ -299,10 +308,9 @@ def _plan(
         BLOCK_D=max(16, _pow2(D)),
         prec="ieee" if dtype == torch.float32 else "tf32",
         upcast=dtype == torch.bfloat16 and interp,
-        quantile_parallel=quantile_parallel,
         # The sampled bracket's digit histograms: per row, a slice of 2**bits bins per digit.
         QBITS=qbits, QBRACKET=(-(-32 // qbits) << qbits) if bracket else 0,
-        nq=nq, BLOCK_Q=min(cfg.quantile_block, max(256, _pow2(_cdiv(S, nq)))),
+        NQ=nq,
         ns1=ns1, BLOCK_S1=_pow2(ns1), ns2=ns2, BLOCK_S2=_pow2(ns2), nsd=nsd, BLOCK_SD=_pow2(nsd),
         # Splits per load in the combine steps: a [CH, G, D] float32 tile of about 4096 elements.
         CH2=max(1, min(_pow2(ns2), 4096 // (_pow2(G) * max(16, _pow2(D))))),
@@ -895,12 +903,12 @@ def _next_tile(s_row, idx, n, ahead, BLOCK: tl.constexpr, PREFETCH: tl.constexpr
 
 @triton.jit
 def _quantile_kernel(
-    Scores, Mst, Lst, Tau, SeqLens, Starts, Hist, BracketHist, Theta,
-    S_MAX, NUM_SPLITS1,
+    Scores, Mst, Lst, Tau, SeqLens, Starts, Hist, BracketHist, Sync, Next, Theta,
+    S_MAX, NUM_SPLITS1, NQ,
     HQ: tl.constexpr, BLOCK: tl.constexpr, BLOCK_S1: tl.constexpr,
     HAS_SEQ_LENS: tl.constexpr, HAS_STARTS: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr,
     SPARSE_FROM: tl.constexpr, SAMPLE: tl.constexpr, MARGIN: tl.constexpr, BITS: tl.constexpr,
-    BRACKET_BINS: tl.constexpr,
+    BRACKET_BINS: tl.constexpr, CHUNKED: tl.constexpr,
 ):
     """theta = tau-quantile of one row's probabilities, torch.quantile's 'linear' rule.
 
@@ -910,27 +918,47 @@ def _quantile_kernel(
 
     SAMPLE > 0: a sorted sample brackets rank k and only the keys inside are selected
     (``_bracket_select``); where the bracket misses, and for SAMPLE = 0, the radix select
-    over every key runs (``_radix_select``).
+    over every key runs (``_radix_select``, in the row's first program).
+
+    CHUNKED: the row's keys are cut into NQ chunks, one program each (grid (rows, NQ), every
+    program resident at once); they add their counts into the row's histograms and meet at
+    a counter after each digit, so the row's passes run in one launch.
     """
     row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
     b = row // HQ
     one = tl.full([1], 0, tl.int32) == 0  # [1]-shaped head mask for the shared helper
-    m, l, _, _, _ = _row_ml(Mst, Lst, tl.full([1], 0, tl.int64) + row, one, NUM_SPLITS1, BLOCK_S1)
-    m = tl.sum(m, axis=0)
-    l = tl.sum(l, axis=0)
     begin, end, rank, frac = _qrank(Tau, SeqLens, Starts, row, b, S_MAX, HAS_SEQ_LENS, HAS_STARTS)
     n = end - begin
     s_row = Scores + row * S_MAX + begin
-    h_rows = Hist + row * 1024
     miss = n >= 0  # without a sample, the full select
     t = (n * 0).to(tl.uint32)
     t_hi = t
     if SAMPLE > 0:
-        miss, t, t_hi = _bracket_select(s_row, n, rank, BracketHist + row * BRACKET_BINS, SAMPLE, MARGIN, BITS,
-                                        BLOCK, STAGES, PREFETCH)
-    if miss:
-        t, t_hi = _radix_select(s_row, n, rank, h_rows, BLOCK, STAGES, PREFETCH, SPARSE_FROM)
-    tl.store(Theta + row, _interpolate(t, t_hi, frac, m, l))
+        c_lo, c_hi = _split_range(n * 0, n, chunk, NQ, BLOCK)
+        miss, t, t_hi = _bracket_select(s_row, n, c_lo, c_hi, rank, BracketHist + row * BRACKET_BINS,
+                                        Sync + row * 2, Next + row, NQ, SAMPLE, MARGIN, BITS, BLOCK, STAGES,
+                                        PREFETCH, CHUNKED)
+    if chunk == 0:
+        if miss:
+            t, t_hi = _radix_select(s_row, n, rank, Hist + row * 1024, BLOCK, STAGES, PREFETCH, SPARSE_FROM)
+        m, l, _, _, _ = _row_ml(Mst, Lst, tl.full([1], 0, tl.int64) + row, one, NUM_SPLITS1, BLOCK_S1)
+        tl.store(Theta + row, _interpolate(t, t_hi, frac, tl.sum(m, axis=0), tl.sum(l, axis=0)))
+
+
+@triton.jit
+def _row_meet(counter, target):
+    """Arrive at the row's counter and wait until ``target`` arrivals: every program of the row
+    has added its counts (released), and they are visible to this program's threads below.
+    The last to arrive does not poll; the others poll with plain loads, then acquire once
+    (polling with atomics measured the same)."""
+    tl.debug_barrier()
+    seen = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") + 1
+    if seen < target:
+        while seen < target:
+            seen = tl.load(counter, volatile=True)
+        tl.atomic_add(counter, 0, sem="acquire", scope="gpu")
+    tl.debug_barrier()
 
 
 @triton.jit
@@ -967,17 +995,24 @@ def _radix_select(s_row, n, rank, h_rows, BLOCK: tl.constexpr, STAGES: tl.conste
 
 
 @triton.jit
-def _bracket_select(s_row, n, rank, h_rows, SAMPLE: tl.constexpr, MARGIN: tl.constexpr, BITS: tl.constexpr,
-                    BLOCK: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr):
+def _bracket_select(s_row, n, c_lo, c_hi, rank, h_rows, r_sync, r_next, NQ, SAMPLE: tl.constexpr,
+                    MARGIN: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr,
+                    PREFETCH: tl.constexpr, CHUNKED: tl.constexpr):
     """(missed, k-th key, next key) of a row of n scores, k = ``rank``, in fewer and cheaper passes.
 
     SAMPLE evenly spaced keys, sorted, give a bracket [lo, hi]: the sample keys MARGIN
     ranks below and above rank k's place in the sample. The radix select then runs on the
     offsets u - lo of the keys inside only, BITS bits a pass: as many digits as the
     bracket's width needs, each counted with one atomic per key still matching into the
-    row's histograms at ``h_rows`` (2**BITS bins a pass, read back and zeroed). The first
-    pass also counts the keys below the bracket; a miss (rank k outside it: a sample unlike
-    the row) is returned, and the caller runs the full radix select instead.
+    row's histograms at ``h_rows`` (2**BITS bins a pass). The first pass also counts the
+    keys below the bracket; a miss (rank k outside it: a sample unlike the row) is
+    returned, and the caller runs the full radix select instead.
+
+    This program counts the keys [c_lo, c_hi) of the row. CHUNKED: the row's NQ programs add
+    their counts, the keys below (``r_sync[1]``) and the least key past the last bucket
+    (``r_next``) into the row's buffers, meet at ``r_sync[0]`` after each pass, and the last
+    one to finish sets the buffers back to zero. Else the program owns the row: it reads
+    each histogram back and zeroes it in one exchange.
     """
     NB: tl.constexpr = 1 << BITS
     js = tl.arange(0, SAMPLE)
@@ -994,10 +1029,12 @@ def _bracket_select(s_row, n, rank, h_rows, SAMPLE: tl.constexpr, MARGIN: tl.con
 
     offs = tl.arange(0, BLOCK)
     bins = tl.arange(0, NB)
+    c_row = s_row + c_lo
+    c_n = c_hi - c_lo
     prefix = lo * 0
     n_in = n * 0
     hist = tl.zeros([NB], tl.int32)
-    above = tl.full([BLOCK], 0xFFFFFFFF, tl.uint32)
+    least = lo | 0xFFFFFFFF
     miss = n < 0
     for p in range(0, digits):
         shift = (BITS * (digits - 1 - p)).to(tl.uint32)
@@ -1007,24 +1044,47 @@ def _bracket_select(s_row, n, rank, h_rows, SAMPLE: tl.constexpr, MARGIN: tl.con
         h_row = h_rows + p * NB
         below = tl.zeros([BLOCK], tl.int32)
         above = tl.full([BLOCK], 0xFFFFFFFF, tl.uint32)
-        x = _first_tile(s_row, offs, n, PREFETCH)
-        for n0 in tl.range(0, n, BLOCK, num_stages=STAGES):
+        x = _first_tile(c_row, offs, c_n, PREFETCH)
+        for n0 in tl.range(0, c_n, BLOCK, num_stages=STAGES):
             idx = n0 + offs
-            x, cur = _next_tile(s_row, idx, n, x, BLOCK, PREFETCH)
+            x, cur = _next_tile(c_row, idx, c_n, x, BLOCK, PREFETCH)
             u = _ukey(cur)
-            ok = idx < n
+            ok = idx < c_n
             below += (ok & (u < lo)).to(tl.int32)
             above = _bracket_digit(u, ok, lo, hi, prefix, above, h_row, shift, higher, NB - 1)
-        tl.debug_barrier()  # every thread's counts are in before they are read
-        hist = tl.atomic_xchg(h_row + bins, tl.zeros([NB], tl.int32), sem="relaxed")
+        last = p == digits - 1
+        if CHUNKED:
+            if p == 0:
+                tl.atomic_add(r_sync + 1, tl.sum(below, axis=0), sem="relaxed")
+            if last:
+                tl.atomic_min(r_next, (tl.min(above, axis=0) ^ 0x80000000).to(tl.int32, bitcast=True), sem="relaxed")
+            _row_meet(r_sync, (p + 1) * NQ)
+            hist = tl.load(h_row + bins, cache_modifier=".cg")
+            n_below = tl.load(r_sync + 1, cache_modifier=".cg")
+            if last:
+                least = tl.load(r_next, cache_modifier=".cg").to(tl.uint32, bitcast=True) ^ 0x80000000
+        else:
+            tl.debug_barrier()  # every thread's counts are in before they are read
+            hist = tl.atomic_xchg(h_row + bins, tl.zeros([NB], tl.int32), sem="relaxed")
+            n_below = tl.sum(below, axis=0)
+            least = tl.min(above, axis=0)
         if p == 0:
-            rank -= tl.sum(below, axis=0)
+            rank -= n_below
             miss = (rank < 0) | (rank >= tl.sum(hist, axis=0))
         if not miss:
             prefix, rank, n_in = _pick_digit(hist, rank, prefix, shift)
-        # A miss skips the remaining passes (Triton has no break): they see an empty row.
-        n = tl.where(miss, 0, n)
-    return miss, lo + prefix, lo + _next_key(prefix, rank, n_in, hist, tl.min(above, axis=0))
+        # A miss skips the remaining passes (Triton has no break): they see an empty chunk.
+        c_n = tl.where(miss, 0, c_n)
+    if CHUNKED:
+        tl.debug_barrier()  # this program's reads of the row's buffers are done
+        done = tl.atomic_add(r_sync, 1, sem="acq_rel", scope="gpu")
+        if done == (digits + 1) * NQ - 1:
+            for p in range(0, digits):
+                tl.store(h_rows + p * NB + bins, tl.zeros([NB], tl.int32))
+            tl.store(r_sync + 1, 0)
+            tl.store(r_next, _INT_MAX)
+            tl.store(r_sync, 0)
+    return miss, lo + prefix, lo + _next_key(prefix, rank, n_in, hist, least)
 
 
 @triton.jit
@@ -1109,23 +1169,6 @@ def _next_key(t, rank, n_in, last_hist, above):
 
 
 @triton.jit
-def _qselect(Hist, row, rank, PASSES: tl.constexpr):
-    """Replay the first PASSES digit choices of the radix select from the row's histograms.
-
-    Returns the key prefix found so far, the rank left within it, the keys in the last
-    chosen bucket and the last histogram read.
-    """
-    bins = tl.arange(0, 256)
-    prefix = (rank * 0).to(tl.uint32)
-    n_in = rank * 0
-    hist = tl.zeros([256], tl.int32)
-    for p in tl.static_range(PASSES):
-        hist = tl.load(Hist + (row * 4 + p) * 256 + bins, cache_modifier=".cg")
-        prefix, rank, n_in = _pick_bucket(hist, rank, prefix, p)
-    return prefix, rank, n_in, hist
-
-
-@triton.jit
 def _qrank(Tau, SeqLens, Starts, row, b, S_MAX, HAS_SEQ_LENS: tl.constexpr, HAS_STARTS: tl.constexpr):
     begin, end = _row_range(SeqLens, Starts, b, S_MAX, HAS_SEQ_LENS, HAS_STARTS)
     n = end - begin
@@ -1133,66 +1176,6 @@ def _qrank(Tau, SeqLens, Starts, row, b, S_MAX, HAS_SEQ_LENS: tl.constexpr, HAS_
     pos = tau * (n - 1).to(tl.float64)
     kf = tl.floor(pos)
     return begin, end, kf.to(tl.int32), (pos - kf).to(tl.float32)
-
-
-@triton.jit
-def _qhist_kernel(
-    Scores, Tau, SeqLens, Starts, Hist, Next, S_MAX, NUM_CHUNKS,
-    HQ: tl.constexpr, BLOCK: tl.constexpr, PASS: tl.constexpr, SPARSE: tl.constexpr,
-    HAS_SEQ_LENS: tl.constexpr, HAS_STARTS: tl.constexpr, STAGES: tl.constexpr,
-):
-    """One pass of the row-parallel radix select over one chunk of one (batch, query head) row.
-
-    PASS 0..3: histogram of digit PASS (8 bits, MSB first) of the keys that share the
-    digits chosen so far (replayed from the earlier passes' histograms), added to the
-    row's histogram: one atomic per bin from a register histogram, or (SPARSE: few keys
-    still match) one atomic per matching key. PASS 3 also takes the least key above the
-    chosen 24-bit bucket, an atomic min into ``Next`` (signed image of the key).
-    """
-    row = tl.program_id(0).to(tl.int64)
-    chunk = tl.program_id(1)
-    b = row // HQ
-    begin, end, rank, _ = _qrank(Tau, SeqLens, Starts, row, b, S_MAX, HAS_SEQ_LENS, HAS_STARTS)
-    prefix, rank, n_in, _ = _qselect(Hist, row, rank, PASS)
-    lo, hi = _split_range(begin, end, chunk, NUM_CHUNKS, BLOCK)
-    s_row = Scores + row * S_MAX
-    offs = tl.arange(0, BLOCK)
-    h_row = Hist + (row * 4 + PASS) * 256
-    hist = tl.zeros([256], tl.int32)
-    above = tl.full([BLOCK], 0xFFFFFFFF, tl.uint32)
-    for n0 in tl.range(lo, hi, BLOCK, num_stages=STAGES):
-        idx = n0 + offs
-        valid = idx < hi
-        u = _ukey(tl.load(s_row + idx, mask=valid, other=0.0))
-        hist, above = _count_digit(u, valid, prefix, hist, above, h_row, PASS, SPARSE)
-    if not SPARSE:
-        bins = tl.arange(0, 256)
-        tl.atomic_add(h_row + bins, hist, mask=hist > 0, sem="relaxed")
-    if PASS == 3:
-        least = tl.min(above, axis=0)
-        tl.atomic_min(Next + row, (least ^ 0x80000000).to(tl.int32, bitcast=True), sem="relaxed")
-
-
-@triton.jit
-def _qfinal_kernel(
-    Mst, Lst, Tau, SeqLens, Starts, Hist, Next, Theta, S_MAX, NUM_SPLITS1,
-    HQ: tl.constexpr, BLOCK_S1: tl.constexpr, HAS_SEQ_LENS: tl.constexpr, HAS_STARTS: tl.constexpr,
-):
-    """theta from the two order statistics; resets the row's histograms and Next for the next call."""
-    row = tl.program_id(0).to(tl.int64)
-    b = row // HQ
-    one = tl.full([1], 0, tl.int32) == 0
-    m, l, _, _, _ = _row_ml(Mst, Lst, tl.full([1], 0, tl.int64) + row, one, NUM_SPLITS1, BLOCK_S1)
-    m = tl.sum(m, axis=0)
-    l = tl.sum(l, axis=0)
-    _, _, rank, frac = _qrank(Tau, SeqLens, Starts, row, b, S_MAX, HAS_SEQ_LENS, HAS_STARTS)
-    t, rank, n_in, last_hist = _qselect(Hist, row, rank, 4)
-    above = tl.load(Next + row, cache_modifier=".cg").to(tl.uint32, bitcast=True) ^ 0x80000000
-    t_hi = _next_key(t, rank, n_in, last_hist, above)
-    tl.store(Theta + row, _interpolate(t, t_hi, frac, m, l))
-    offs = tl.arange(0, 1024)
-    tl.store(Hist + row * 1024 + offs, tl.zeros([1024], tl.int32))
-    tl.store(Next + row, _INT_MAX)
 
 
 # --------------------------------------------------------------------------- workspace
@@ -1225,11 +1208,14 @@ class Workspace:
             self.cnt = torch.empty(B, Hq, geo["ns2"], device=device, dtype=i32)
             self.mass = torch.empty(B, Hq, geo["ns2"], device=device, dtype=f32)
         if not dense_only:
-            # Radix select: 4 digit histograms and the least key above the last bucket per
-            # (batch, query head); the kernels set them back for the next call.
+            # Per (batch, query head), set back by the quantile kernel for the next call: the full
+            # radix select's 4 digit histograms, the sampled bracket's digit histograms, and
+            # for rows cut into chunks the least key past the last bucket, the arrivals and
+            # the keys below the bracket.
             self.qhist = torch.zeros(B * Hq, 4, 256, device=device, dtype=i32)
+            self.qbracket = torch.zeros(B * Hq, geo["QBRACKET"], device=device, dtype=i32)
             self.qnext = torch.full((B * Hq,), 2**31 - 1, device=device, dtype=i32)
-            self.qbracket = torch.zeros(B * Hq, geo["QBRACKET"], device=device, dtype=i32)  # sampled bracket
+            self.qsync = torch.zeros(B * Hq, 2, device=device, dtype=i32)
         self.dpart = torch.empty(B, Hq, geo["nsd"], geo["BLOCK_D"], device=device, dtype=f32)
         self.dm = torch.empty(B, Hq, geo["nsd"], device=device, dtype=f32)
         self.dl = torch.empty(B, Hq, geo["nsd"], device=device, dtype=f32)
@@ -1287,33 +1273,14 @@ def quantile_pass(geo: dict, ws: Workspace, tau: torch.Tensor, seq_lens, starts,
     mst, lst, ns, block_s = (ws.dm, ws.dl, geo["nsd"], geo["BLOCK_SD"]) if from_dense else (
         ws.mst, ws.lst, geo["ns1"], geo["BLOCK_S1"])
     sl_arg, st_arg = seq_lens if has_sl else theta, starts if has_st else theta
-    rows = geo["B"] * geo["Hq"]
-    if not geo["quantile_parallel"]:
-        _quantile_kernel[(rows,)](
-            ws.scores, mst, lst, tau, sl_arg, st_arg, ws.qhist, ws.qbracket, theta, geo["S"], ns,
-            HQ=geo["Hq"], BLOCK=cfg.quantile_block, BLOCK_S1=block_s,
-            HAS_SEQ_LENS=has_sl, HAS_STARTS=has_st, STAGES=cfg.quantile_stages,
-            PREFETCH=cfg.quantile_prefetch, SPARSE_FROM=cfg.quantile_sparse_from,
-            SAMPLE=cfg.quantile_sample, MARGIN=cfg.quantile_margin, BITS=geo["QBITS"], BRACKET_BINS=geo["QBRACKET"],
-            num_warps=cfg.quantile_warps,
-        )
-        return theta
-    try:
-        for p in range(4):
-            _qhist_kernel[(rows, geo["nq"])](
-                ws.scores, tau, sl_arg, st_arg, ws.qhist, ws.qnext, geo["S"], geo["nq"],
-                HQ=geo["Hq"], BLOCK=geo["BLOCK_Q"], PASS=p, SPARSE=p >= cfg.quantile_sparse_from,
-                HAS_SEQ_LENS=has_sl, HAS_STARTS=has_st,
-                STAGES=cfg.quantile_stages, num_warps=cfg.quantile_warps,
-            )
-        _qfinal_kernel[(rows,)](
-            mst, lst, tau, sl_arg, st_arg, ws.qhist, ws.qnext, theta, geo["S"], ns,
-            HQ=geo["Hq"], BLOCK_S1=block_s, HAS_SEQ_LENS=has_sl, HAS_STARTS=has_st, num_warps=4,
-        )
-    except BaseException:
-        ws.qhist.zero_()
-        ws.qnext.fill_(2**31 - 1)
-        raise
+    _quantile_kernel[(geo["B"] * geo["Hq"], geo["NQ"])](
+        ws.scores, mst, lst, tau, sl_arg, st_arg, ws.qhist, ws.qbracket, ws.qsync, ws.qnext, theta, geo["S"], ns,
+        geo["NQ"], HQ=geo["Hq"], BLOCK=cfg.quantile_block, BLOCK_S1=block_s,
+        HAS_SEQ_LENS=has_sl, HAS_STARTS=has_st, STAGES=cfg.quantile_stages,
+        PREFETCH=cfg.quantile_prefetch, SPARSE_FROM=cfg.quantile_sparse_from,
+        SAMPLE=cfg.quantile_sample, MARGIN=cfg.quantile_margin, BITS=geo["QBITS"], BRACKET_BINS=geo["QBRACKET"],
+        CHUNKED=geo["NQ"] > 1, num_warps=cfg.quantile_warps,
+    )
     return theta
 
 
