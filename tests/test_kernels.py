@@ -386,6 +386,13 @@ def power_law_for(eta, seq_lens, starts, gen):
     return PowerLawThreshold(log_alpha.contiguous(), beta.contiguous(), log_steps.contiguous())
 
 
+def workspace_at_rest(ws) -> bool:
+    """The Triton workspace's counters and quantile buffers hold their rest values (the kernels
+    set them back after each call, so the next call needs no memset)."""
+    return bool((ws.sync == 0).all() and (ws.qhist == 0).all() and (ws.qbracket == 0).all()
+                and (ws.qsync == 0).all() and (ws.qnext == 2**31 - 1).all())
+
+
 def plan_results(device: str, backend: str, cases, config=None, seed_base: int = 31) -> list[dict]:
     """DecodeKernels sparse / dense / warmup on ``cases`` against the float64 reference."""
     from siftattention.kernels import DecodeKernels
@@ -433,9 +440,7 @@ def plan_results(device: str, backend: str, cases, config=None, seed_base: int =
                     dtypes_ok=row["dtypes_ok"] and dense.dtype == dtype and theta.dtype == torch.float32,
                 )
             if backend == "triton":  # counters and quantile buffers are back at their rest values
-                ws = kern.workspace
-                row["sync_zero"] = bool((ws.sync == 0).all() and (ws.qhist == 0).all() and (ws.qnext == 2**31 - 1).all()
-                                        and (ws.qsync == 0).all() and (ws.qbracket == 0).all())
+                row["sync_zero"] = workspace_at_rest(kern.workspace)
             else:
                 row["sync_zero"] = True
             res.append(row)
@@ -932,9 +937,7 @@ def test_cuda_graph_capture_of_plans():
             assert rel(dense.cpu(), ref_dense) < 1e-2 and rel(w_out.cpu(), ref_dense) < 1e-2
             assert float(((theta.cpu().double() - ref_th).abs() / ref_th).max()) < 1e-5
     for kern in plans:  # counters and quantile buffers at rest for the next replay
-        ws = kern.workspace
-        assert bool((ws.sync == 0).all() and (ws.qhist == 0).all() and (ws.qnext == 2**31 - 1).all()
-                    and (ws.qsync == 0).all() and (ws.qbracket == 0).all())
+        assert workspace_at_rest(kern.workspace)
 
 
 if __name__ == "__main__" and "--triton-worker" in sys.argv:

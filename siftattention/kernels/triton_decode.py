@@ -138,8 +138,8 @@ class KernelConfig:
     # counter after each digit, all in one launch (H200, GQA B = 1, S = 32768: warmup 1.74 ->
     # 1.46x SDPA against one launch per digit). At most ``quantile_resident`` programs per SM,
     # so that every program of a row is resident at once (they wait for each other: raise it
-    # only where that many fit), and chunks of at least ``min_splitq`` keys. Needs the sampled bracket (quantile_sample > 0);
-    # never under the interpreter, which runs one program at a time.
+    # only where that many fit), and chunks of at least ``min_splitq`` keys. Needs the sampled
+    # bracket (quantile_sample > 0); never under the interpreter, which runs one program at a time.
     quantile_parallel: bool | str = "auto"
     quantile_resident: int = 1
     min_splitq: int = 4096
@@ -147,7 +147,7 @@ class KernelConfig:
     # found so far with one atomic per key instead of a register histogram, which costs the
     # same per key whether it matches or not: after two 8-bit digits few keys are left.
     quantile_sparse_from: int = 2
-    # One quantile program per row: ``quantile_sample`` evenly spaced keys (a power of two;
+    # ``quantile_sample`` evenly spaced keys of each row (a power of two;
     # 0: off), sorted, bracket the wanted rank within ``quantile_margin`` sample ranks either
     # side, and only the keys inside are radix-selected. A bracket that misses falls back to
     # the radix select over every key (exact either way).
@@ -192,10 +192,9 @@ class KernelConfig:
         for name in ("quantile_bracket_bits", "quantile_bracket_bits_short"):
             if not 4 <= getattr(self, name) <= 12:
                 raise ValueError(f"KernelConfig.{name} must be in 4..12, got {getattr(self, name)}")
-        for name in ("quantile_margin", "quantile_resident", "min_splitq"):
-            if getattr(self, name) < (0 if name == "quantile_margin" else 1):
-                raise ValueError(f"KernelConfig.{name} must be >= {0 if name == 'quantile_margin' else 1}, "
-                                 f"got {getattr(self, name)}")
+        for name, least in (("quantile_margin", 0), ("quantile_resident", 1), ("min_splitq", 1)):
+            if getattr(self, name) < least:
+                raise ValueError(f"KernelConfig.{name} must be >= {least}, got {getattr(self, name)}")
 
 
 # Per-device overrides of the defaults: the first entry whose key is in the device name
