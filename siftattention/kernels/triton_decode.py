@@ -761,6 +761,43 @@ def _combine_kernel(
 
 
 @triton.jit
+def _merge_splits(Part, Mp, Lp, Out, b, hkv, stride_ob, stride_oh, stride_od, NUM_SPLITS,
+                  HQ: tl.constexpr, G: tl.constexpr, BLOCK_GA: tl.constexpr, BLOCK_D: tl.constexpr,
+                  CH: tl.constexpr, d_mask):
+    """Flash-decoding's combine: merge one (batch, KV head)'s split partials (unnormalised
+    outputs, maxima and sums, log2 domain) into the output, on a G-row head tile, CH splits per load."""
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_ga = tl.arange(0, BLOCK_GA)
+    ga_mask = offs_ga < G
+    row_c = b.to(tl.int64) * HQ + hkv * G + offs_ga
+    offs_c = tl.arange(0, CH)
+    m = tl.full([BLOCK_GA], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_GA], tl.float32)
+    tot = tl.zeros([BLOCK_GA, BLOCK_D], tl.float32)
+    for j0 in range(0, NUM_SPLITS, CH):
+        js = j0 + offs_c
+        pj = row_c[None, :] * NUM_SPLITS + js[:, None]  # [CH, GA]
+        m2 = (js < NUM_SPLITS)[:, None] & ga_mask[None, :]
+        mj = tl.load(Mp + pj, mask=m2, other=float("-inf"), cache_modifier=".cg")
+        lj = tl.load(Lp + pj, mask=m2, other=0.0, cache_modifier=".cg")
+        part = tl.load(Part + pj[:, :, None] * BLOCK_D + offs_d[None, None, :], mask=m2[:, :, None], other=0.0,
+                       cache_modifier=".cg")
+        m_new = tl.maximum(m, tl.max(mj, axis=0))
+        m_ref = tl.where(m_new > float("-inf"), m_new, 0.0)
+        alpha = tl.where(m > float("-inf"), tl.math.exp2(m - m_ref), 0.0)
+        w = tl.where(mj > float("-inf"), tl.math.exp2(mj - m_ref[None, :]), 0.0)  # empty splits weigh 0
+        l = l * alpha + tl.sum(w * lj, axis=0)
+        tot = tot * alpha[:, None] + tl.sum(w[:, :, None] * part, axis=0)
+        m = m_new
+    l = tl.where(ga_mask, l, 1.0)
+    h_c = hkv * G + offs_ga
+    tl.store(
+        Out + b.to(tl.int64) * stride_ob + h_c[:, None] * stride_oh + offs_d[None, :] * stride_od,
+        (tot / l[:, None]).to(Out.dtype.element_ty), mask=ga_mask[:, None] & d_mask[None, :],
+    )
+
+
+@triton.jit
 def _dense_kernel(
     Q, K, V, SeqLens, Starts, Part, Mp, Lp, Sem, Out, Scores,
     stride_qb, stride_qh, stride_qd,
@@ -832,35 +869,8 @@ def _dense_kernel(
     done = tl.atomic_add(Sem + bh, 1, sem="acq_rel", scope="gpu")
     if done == NUM_SPLITS - 1:
         tl.store(Sem + bh, 0)  # ready for the next call
-        # Online merge of the split partials on a G-row head tile, CH splits per load.
-        offs_ga = tl.arange(0, BLOCK_GA)
-        ga_mask = offs_ga < G
-        row_c = b.to(tl.int64) * HQ + hkv * G + offs_ga
-        offs_c = tl.arange(0, CH)
-        m = tl.full([BLOCK_GA], float("-inf"), tl.float32)
-        l = tl.zeros([BLOCK_GA], tl.float32)
-        tot = tl.zeros([BLOCK_GA, BLOCK_D], tl.float32)
-        for j0 in range(0, NUM_SPLITS, CH):
-            js = j0 + offs_c
-            pj = row_c[None, :] * NUM_SPLITS + js[:, None]  # [CH, GA]
-            m2 = (js < NUM_SPLITS)[:, None] & ga_mask[None, :]
-            mj = tl.load(Mp + pj, mask=m2, other=float("-inf"), cache_modifier=".cg")
-            lj = tl.load(Lp + pj, mask=m2, other=0.0, cache_modifier=".cg")
-            part = tl.load(Part + pj[:, :, None] * BLOCK_D + offs_d[None, None, :], mask=m2[:, :, None], other=0.0,
-                           cache_modifier=".cg")
-            m_new = tl.maximum(m, tl.max(mj, axis=0))
-            m_ref = tl.where(m_new > float("-inf"), m_new, 0.0)
-            alpha = tl.where(m > float("-inf"), tl.math.exp2(m - m_ref), 0.0)
-            w = tl.where(mj > float("-inf"), tl.math.exp2(mj - m_ref[None, :]), 0.0)  # empty splits weigh 0
-            l = l * alpha + tl.sum(w * lj, axis=0)
-            tot = tot * alpha[:, None] + tl.sum(w[:, :, None] * part, axis=0)
-            m = m_new
-        l = tl.where(ga_mask, l, 1.0)
-        h_c = hkv * G + offs_ga
-        tl.store(
-            Out + b.to(tl.int64) * stride_ob + h_c[:, None] * stride_oh + offs_d[None, :] * stride_od,
-            (tot / l[:, None]).to(Out.dtype.element_ty), mask=ga_mask[:, None] & d_mask[None, :],
-        )
+        _merge_splits(Part, Mp, Lp, Out, b, hkv, stride_ob, stride_oh, stride_od, NUM_SPLITS,
+                      HQ, G, BLOCK_GA, BLOCK_D, CH, d_mask)
 
 
 @triton.jit
