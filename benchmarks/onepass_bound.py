@@ -147,7 +147,7 @@ def _onepass_kernel(
 class OnePass:
     """The one-pass kernel for one shape: buffers allocated once, launched many times."""
 
-    def __init__(self, B, Hq, Hkv, S, D, dtype, splits, block_n, warps, stages, store_scores, mask_v, read_v=True,
+    def __init__(self, B, Hq, Hkv, S, D, splits, block_n, warps, stages, store_scores, mask_v, read_v=True,
                  anchors=(0, 0), count=False):
         G = Hq // Hkv
         dev = bd.DEV
@@ -236,7 +236,7 @@ def run(args):
                        floor_vs_sdpa_bytes=floor_bytes / dense_bytes, variants=[])
             for var in variants:
                 for fac, bn, warps, stages in geoms:
-                    fn = OnePass(B, Hq, Hkv, S, D, dt, max(1, geo["nsd"] * fac), bn, warps, stages, var["store"],
+                    fn = OnePass(B, Hq, Hkv, S, D, max(1, geo["nsd"] * fac), bn, warps, stages, var["store"],
                                  var["mask"], var.get("read_v", True), var.get("anchors", (0, 0)),
                                  var.get("count", False))
                     vthr = [(t if var["mask"] else torch.full_like(t, -float("inf"))).float()
