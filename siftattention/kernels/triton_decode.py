@@ -999,7 +999,7 @@ def _radix_select(s_row, n, rank, h_rows, BLOCK: tl.constexpr, STAGES: tl.conste
         if p >= SPARSE_FROM:
             tl.debug_barrier()  # every thread's counts are in before they are read
             hist = tl.atomic_xchg(h_row + bins, tl.zeros([256], tl.int32), sem="relaxed")
-        prefix, rank, n_in = _pick_bucket(hist, rank, prefix, p)
+        prefix, rank, n_in = _pick_digit(hist, rank, prefix, 24 - 8 * p)
     return prefix, _next_key(prefix, rank, n_in, hist, tl.min(above, axis=0))
 
 
@@ -1131,12 +1131,6 @@ def _count_digit(u, valid, prefix, hist, above, h_row, PASS: tl.constexpr, SPARS
     else:
         hist += tl.histogram(digit, 256, mask=valid)
     return hist, above
-
-
-@triton.jit
-def _pick_bucket(hist, rank, prefix, PASS: tl.constexpr):
-    """The bucket of pass PASS's histogram holding rank ``rank``: (prefix with its digit, rank left in it, its keys)."""
-    return _pick_digit(hist, rank, prefix, 24 - 8 * PASS)
 
 
 @triton.jit
