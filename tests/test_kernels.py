@@ -285,7 +285,7 @@ def test_validation_errors():
             sift_decode(q, k, k, eta, backend="triton")
 
 
-def test_kernel_config_rejects_bad_quantile_knobs():
+def test_kernel_config_rejects_bad_knobs():
     pytest.importorskip("triton")
     from siftattention.kernels.triton_decode import KernelConfig
 
@@ -293,10 +293,23 @@ def test_kernel_config_rejects_bad_quantile_knobs():
                     ({"quantile_block": 0}, "quantile_block must be a power of two"),
                     ({"quantile_margin": -1}, "quantile_margin must be >= 0"),
                     ({"quantile_resident": 0}, "quantile_resident must be >= 1"),
-                    ({"min_splitq": 0}, "min_splitq must be >= 1")):
+                    ({"min_splitq": 0}, "min_splitq must be >= 1"),
+                    ({"maxnreg2": 16}, "maxnreg2 must be 0 \\(no cap\\) or in 24..255"),
+                    ({"maxnregd": 256}, "maxnregd must be 0 \\(no cap\\) or in 24..255")):
         with pytest.raises(ValueError, match=msg):
             KernelConfig(**kw)
     assert KernelConfig(quantile_sample=0).quantile_sample == 0
+
+
+def test_register_cap_reaches_compiled_launches_only(monkeypatch):
+    pytest.importorskip("triton")
+    from siftattention.kernels import triton_decode as td
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert td._regcap(168) == {"maxnreg": 168}
+    assert td._regcap(0) == {}
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the interpreter takes no register cap
+    assert td._regcap(168) == {}
 
 
 # ----------------------------------------------------------------------------- planned kernels (DecodeKernels)

@@ -182,6 +182,12 @@ class KernelConfig:
     # Fewest keys per dense split: 4096 instead of 2048 took B = 1, S = 131072 from 1.15 to
     # 1.07x SDPA and MHA B = 8, S = 8192 from 1.05 to 1.01x; no target shape lost.
     min_splitd: int = 4096
+    # Register caps per thread (0: the compiler's choice) of the scores, filter, dense and
+    # quantile kernels: a cap trades a few spills for one more resident program per SM.
+    maxnreg1: int = 0
+    maxnreg2: int = 0
+    maxnregd: int = 0
+    maxnregq: int = 0
 
     def __post_init__(self):
         # Tile sizes that become tl.arange lengths: a wrong one would fail deep in the compiler.
@@ -195,6 +201,9 @@ class KernelConfig:
         for name, least in (("quantile_margin", 0), ("quantile_resident", 1), ("min_splitq", 1)):
             if getattr(self, name) < least:
                 raise ValueError(f"KernelConfig.{name} must be >= {least}, got {getattr(self, name)}")
+        for name in ("maxnreg1", "maxnreg2", "maxnregd", "maxnregq"):
+            if not (getattr(self, name) == 0 or 24 <= getattr(self, name) <= 255):
+                raise ValueError(f"KernelConfig.{name} must be 0 (no cap) or in 24..255, got {getattr(self, name)}")
 
 
 # Per-device overrides of the defaults: the first entry whose key is in the device name
@@ -227,6 +236,11 @@ def _device_info(device: torch.device) -> tuple[int, bool, str]:
         props = torch.cuda.get_device_properties(idx)
         _DEVICES[idx] = (props.multi_processor_count, props.major >= 9, props.name)
     return _DEVICES[idx]
+
+
+def _regcap(n: int) -> dict:
+    """Launch option capping registers per thread (compiled code only; 0: none)."""
+    return {"maxnreg": n} if n and os.environ.get("TRITON_INTERPRET", "0") != "1" else {}
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -1261,7 +1275,7 @@ def scores_pass(geo: dict, ws: Workspace, q, k_cache, scale: float, seq_lens, st
         HQ=Hq, HKV=Hkv, G=geo["G"], BLOCK_G=geo["BLOCK_G"], D=geo["D"], BLOCK_D=geo["BLOCK_D"],
         BLOCK_N=geo["BLOCK_N1"], HAS_SEQ_LENS=has_sl, HAS_STARTS=has_st,
         USE_DOT=geo["use_dot"], DOT_PREC=geo["prec"], DOT_UPCAST=geo["upcast"],
-        PDL=pdl, EVICT=cfg.evict, num_warps=cfg.warps1, num_stages=cfg.stages1,
+        PDL=pdl, EVICT=cfg.evict, num_warps=cfg.warps1, num_stages=cfg.stages1, **_regcap(cfg.maxnreg1),
     )
 
 
@@ -1282,7 +1296,7 @@ def quantile_pass(geo: dict, ws: Workspace, tau: torch.Tensor, seq_lens, starts,
         HAS_SEQ_LENS=has_sl, HAS_STARTS=has_st, STAGES=cfg.quantile_stages,
         PREFETCH=cfg.quantile_prefetch, SPARSE_FROM=cfg.quantile_sparse_from,
         SAMPLE=cfg.quantile_sample, MARGIN=cfg.quantile_margin, BITS=geo["QBITS"], BRACKET_BINS=geo["QBRACKET"],
-        CHUNKED=geo["NQ"] > 1, num_warps=cfg.quantile_warps,
+        CHUNKED=geo["NQ"] > 1, num_warps=cfg.quantile_warps, **_regcap(cfg.maxnregq),
     )
     return theta
 
@@ -1323,7 +1337,7 @@ def filter_pass(
         POWER_LAW=power_law, COMPACT=compact, DENSE_PCT=cfg.dense_pct, STAGES_B=geo["STAGES_B"],
         FUSED_COMBINE=fused, RESET_SYNC=fused, RENORMALIZE=renormalize, WRITE_KEPT=want_kept,
         PDL=pdl, EVICT=cfg.evict, CHUNK=geo["CHUNK2"], num_warps=cfg.warps2, num_stages=cfg.stages2,
-        **({"launch_pdl": True} if pdl else {}),
+        **_regcap(cfg.maxnreg2), **({"launch_pdl": True} if pdl else {}),
     )
     if not fused:
         _combine_kernel[(B * Hq,)](
@@ -1388,7 +1402,7 @@ def dense(geo: dict, ws: Workspace, q, k_cache, v_cache, scale: float, seq_lens,
         HQ=Hq, HKV=Hkv, G=geo["G"], BLOCK_G=max(16, geo["BLOCK_GA"]), BLOCK_GA=geo["BLOCK_GA"], D=D,
         BLOCK_D=geo["BLOCK_D"], BLOCK_N=geo["BLOCK_ND"], CH=geo["CHD"], HAS_SEQ_LENS=has_sl, HAS_STARTS=has_st,
         DOT_PREC=geo["prec"], DOT_UPCAST=geo["upcast"], EVICT=cfg.evict, STORE_SCORES=store_scores,
-        num_warps=cfg.warpsd, num_stages=cfg.stagesd,
+        num_warps=cfg.warpsd, num_stages=cfg.stagesd, **_regcap(cfg.maxnregd),
     )
     return out
 
