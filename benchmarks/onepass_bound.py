@@ -20,6 +20,11 @@ Variants, each checked against a float64 reference (renormalize=False) before it
   so the output and the kept counts are checked exactly): what the prediction costs;
 - with ``--store-variants``: storing the scores without the evict-last hint, and passes that read
   K only (``k_only``), or K and store the scores (``k_scores``): what the scores cost by themselves.
+- with ``--count-variants``: each way of counting every head's kept keys (``count_<mode>``,
+  ``COUNT_MODES``; with ``--anchors`` also ``anchored_count_<mode>``), checked against float64.
+
+A fifth number in a ``--geoms`` entry caps the kernel's registers per thread (``maxnreg``);
+``--dtype`` takes fp16 and bf16, ``--only`` restricts the variants timed.
 
     PYTHONPATH=. python3 benchmarks/onepass_bound.py --out onepass.json
 """
@@ -42,10 +47,11 @@ import bench_decode as bd  # noqa: E402
 from siftattention.kernels import triton_decode as td  # noqa: E402
 
 LOG2E = 1.4426950408889634
+COUNT_MODES = {1: "lane", 2: "tile", 3: "dot", 4: "lane_f32", 5: "lane_f16"}
 
 
 @triton.jit
-def _lse_run(q, k_row, lo, hi, m, l, qk_scale, D: tl.constexpr, BLOCK_N: tl.constexpr):
+def _lse_run(q, k_row, lo, hi, m, l, qk_scale, D: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):
     """Online log2-sum-exp of the scores of keys [lo, hi), folded into (m, l)."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
@@ -53,7 +59,7 @@ def _lse_run(q, k_row, lo, hi, m, l, qk_scale, D: tl.constexpr, BLOCK_N: tl.cons
         offs = n0 + offs_n
         mask = offs < hi
         k = tl.load(k_row + offs[:, None].to(tl.int64) * D + offs_d[None, :], mask=mask[:, None], other=0.0)
-        sa = tl.where(mask[None, :], tl.dot(q, tl.trans(k)) * qk_scale, float("-inf"))
+        sa = tl.where(mask[None, :], td._dot(q, tl.trans(k), "tf32", UPCAST) * qk_scale, float("-inf"))
         m_new = tl.maximum(m, tl.max(sa, axis=1))
         l = l * tl.math.exp2(m - m_new) + tl.sum(tl.math.exp2(sa - m_new[:, None]), axis=1)
         m = m_new
@@ -67,13 +73,17 @@ def _onepass_kernel(
     HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_GA: tl.constexpr,
     D: tl.constexpr, BLOCK_N: tl.constexpr, CH: tl.constexpr,
     STORE_SCORES: tl.constexpr, MASK_V: tl.constexpr, READ_V: tl.constexpr = True,
-    ANCHOR_FIRST: tl.constexpr = 0, ANCHOR_LAST: tl.constexpr = 0, COUNT: tl.constexpr = False, Kept=None,
+    ANCHOR_FIRST: tl.constexpr = 0, ANCHOR_LAST: tl.constexpr = 0, COUNT: tl.constexpr = 0, Kept=None,
+    UPCAST: tl.constexpr = False,
 ):
     """Flash-decoding over one split of one (batch, KV head); keys at or below the threshold get weight 0.
 
     The threshold is Thr, or with anchors (ANCHOR_FIRST + ANCHOR_LAST > 0) Thr plus the
     log2-sum-exp of the row's first and newest keys, which every program computes first (what an
-    anchored prediction of the normaliser costs); then the split's kept keys are counted too.
+    anchored prediction of the normaliser costs). COUNT > 0 counts each head's kept keys of the
+    split: 1 per lane in int32, reduced after the loop; 2 reduced per tile; 3 on the tensor cores
+    (the keep mask times a tile of ones); 4 per lane in float32; 5 per lane in float16 (exact up to
+    2048 tiles per split).
     """
     split = tl.program_id(0)
     bh = tl.program_id(1)
@@ -92,12 +102,21 @@ def _onepass_kernel(
     if ANCHOR_FIRST + ANCHOR_LAST > 0:
         m_a = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_a = tl.zeros([BLOCK_G], tl.float32)
-        m_a, l_a = _lse_run(q, K + base, 0, tl.minimum(ANCHOR_FIRST, S_MAX), m_a, l_a, qk_scale, D, BLOCK_N)
+        m_a, l_a = _lse_run(q, K + base, 0, tl.minimum(ANCHOR_FIRST, S_MAX), m_a, l_a, qk_scale, D, BLOCK_N, UPCAST)
         m_a, l_a = _lse_run(q, K + base, tl.maximum(ANCHOR_FIRST, S_MAX - ANCHOR_LAST), S_MAX, m_a, l_a, qk_scale,
-                            D, BLOCK_N)
+                            D, BLOCK_N, UPCAST)
         thr = thr + m_a + tl.math.log2(l_a)
-    if COUNT:  # per-lane counts, reduced once after the loop (a reduction per tile costs 0.2x SDPA)
+    if COUNT == 1:
         cnt = tl.zeros([BLOCK_G, BLOCK_N], tl.int32)
+    elif COUNT == 2:
+        cnt = tl.zeros([BLOCK_G], tl.int32)
+    elif COUNT == 3:
+        cnt = tl.zeros([BLOCK_G, 16], tl.float32)
+        ones = tl.full([BLOCK_N, 16], 1.0, tl.float16)
+    elif COUNT == 4:
+        cnt = tl.zeros([BLOCK_G, BLOCK_N], tl.float32)
+    elif COUNT == 5:
+        cnt = tl.zeros([BLOCK_G, BLOCK_N], tl.float16)
     s_base = Scores + row[:, None] * S_MAX
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -107,15 +126,23 @@ def _onepass_kernel(
         n_mask = offs < hi
         k = tl.load(K + base + offs[:, None].to(tl.int64) * D + offs_d[None, :], mask=n_mask[:, None], other=0.0,
                     eviction_policy="evict_first")
-        s = tl.dot(q, tl.trans(k))
+        s = td._dot(q, tl.trans(k), "tf32", UPCAST)
         s = tl.where(n_mask[None, :], s * qk_scale, float("-inf"))
         if STORE_SCORES == 1:
             tl.store(s_base + offs[None, :], s, mask=g_mask[:, None] & n_mask[None, :], eviction_policy="evict_last")
         elif STORE_SCORES == 2:
             tl.store(s_base + offs[None, :], s, mask=g_mask[:, None] & n_mask[None, :])
         keep = s > thr[:, None]
-        if COUNT:
+        if COUNT == 1:
             cnt += keep.to(tl.int32)
+        elif COUNT == 2:
+            cnt += tl.sum(keep.to(tl.int32), axis=1)
+        elif COUNT == 3:
+            cnt = tl.dot(keep.to(tl.float16), ones, cnt)
+        elif COUNT == 4:
+            cnt += tl.where(keep, 1.0, 0.0)
+        elif COUNT == 5:
+            cnt += keep.to(tl.float16)
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.math.exp2(m_i - m_new)
         p = tl.math.exp2(s - m_new[:, None])
@@ -127,7 +154,7 @@ def _onepass_kernel(
         if READ_V:
             v = tl.load(V + base + offs[:, None].to(tl.int64) * D + offs_d[None, :], mask=v_mask, other=0.0,
                         eviction_policy="evict_first")
-            acc = acc * alpha[:, None] + tl.dot(tl.where(keep, p, 0.0).to(v.dtype), v)
+            acc = acc * alpha[:, None] + td._dot(tl.where(keep, p, 0.0).to(v.dtype), v, "tf32", UPCAST)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
 
@@ -135,8 +162,12 @@ def _onepass_kernel(
     tl.store(Part + pst[:, None] * D + offs_d[None, :], acc, mask=g_mask[:, None])
     tl.store(Mp + pst, m_i, mask=g_mask)
     tl.store(Lp + pst, l_i, mask=g_mask)
-    if COUNT:
-        tl.store(Kept + pst, tl.sum(cnt, axis=1), mask=g_mask)
+    if COUNT == 1 or COUNT == 4 or COUNT == 5:
+        tl.store(Kept + pst, tl.sum(cnt.to(tl.float32), axis=1).to(tl.int32), mask=g_mask)
+    elif COUNT == 2:
+        tl.store(Kept + pst, cnt, mask=g_mask)
+    elif COUNT == 3:
+        tl.store(Kept + pst, (tl.sum(cnt, axis=1) / 16).to(tl.int32), mask=g_mask)
     tl.debug_barrier()
     done = tl.atomic_add(Sem + bh, 1, sem="acq_rel", scope="gpu")
     if done == NUM_SPLITS - 1:
@@ -148,7 +179,7 @@ class OnePass:
     """The one-pass kernel for one shape: buffers allocated once, launched many times."""
 
     def __init__(self, B, Hq, Hkv, S, D, splits, block_n, warps, stages, store_scores, mask_v, read_v=True,
-                 anchors=(0, 0), count=False):
+                 anchors=(0, 0), count=0, maxnreg=0, dtype=torch.float16):
         G = Hq // Hkv
         dev = bd.DEV
         self.args = (B, Hq, Hkv, S, D, G)
@@ -163,13 +194,18 @@ class OnePass:
                          BLOCK_GA=triton.next_power_of_2(G), D=D, BLOCK_N=block_n,
                          CH=max(1, min(triton.next_power_of_2(splits), 4096 // (triton.next_power_of_2(G) * D))),
                          STORE_SCORES=int(store_scores), MASK_V=mask_v, READ_V=read_v,
-                         ANCHOR_FIRST=anchors[0], ANCHOR_LAST=anchors[1], COUNT=count, num_warps=warps, num_stages=stages)
+                         ANCHOR_FIRST=anchors[0], ANCHOR_LAST=anchors[1], COUNT=int(count), num_warps=warps, num_stages=stages,
+                         UPCAST=dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET", "0") == "1")
+        if count == 5:
+            assert triton.cdiv(triton.cdiv(S, splits), block_n) <= 2048, "float16 counts are exact up to 2048 tiles"
+        if maxnreg and bd.DEV == "cuda":  # a register cap, for the occupancy it buys
+            self.meta["maxnreg"] = maxnreg
         self.splits = splits
 
     def __call__(self, q, k, v, thr2):
         B, Hq, Hkv, S, D, G = self.args
         out = torch.empty(B, Hq, D, device=q.device, dtype=q.dtype)
-        _onepass_kernel[self.grid](q, k, v, thr2, self.part, self.mp, self.lp, self.sem, out, self.scores,
+        self.compiled = _onepass_kernel[self.grid](q, k, v, thr2, self.part, self.mp, self.lp, self.sem, out, self.scores,
                                    S, self.splits, D**-0.5 * LOG2E, Kept=self.kept, **self.meta)
         return out
 
@@ -201,19 +237,29 @@ def run(args):
     variants = [dict(name="onepass", store=0, mask=True), dict(name="onepass_scores", store=1, mask=True),
                 dict(name="onepass_all", store=0, mask=False)]
     if args.anchors:  # the threshold as an anchored prediction: the anchors' log-sum plus a per-head offset
-        variants += [dict(name="onepass_counted", store=0, mask=True, count=True),
+        variants += [dict(name="onepass_counted", store=0, mask=True, count=args.count_mode),
                      dict(name="onepass_anchored_uncounted", store=0, mask=True, anchors=tuple(args.anchors)),
-                     dict(name="onepass_anchored", store=0, mask=True, anchors=tuple(args.anchors), count=True)]
+                     dict(name="onepass_anchored", store=0, mask=True, anchors=tuple(args.anchors),
+                          count=args.count_mode)]
+    if args.count_variants:  # how the kept keys are counted (threshold known)
+        variants += [dict(name=f"count_{name}", store=0, mask=True, count=mode)
+                     for mode, name in COUNT_MODES.items()]
+        if args.anchors:
+            variants += [dict(name=f"anchored_count_{name}", store=0, mask=True, anchors=tuple(args.anchors),
+                              count=mode) for mode, name in COUNT_MODES.items()]
     if args.store_variants:
         variants += [dict(name="onepass_scores_nohint", store=2, mask=True),
                      dict(name="k_only", store=0, mask=True, read_v=False),
                      dict(name="k_scores", store=1, mask=True, read_v=False),
                      dict(name="k_scores_nohint", store=2, mask=True, read_v=False),
                      ]
-    geoms = [tuple(int(x) for x in g.split(",")) for g in args.geoms]  # (split factor, block_n, warps, stages)
-    for B, Hq, Hkv, S in shapes:
+    # (split factor, block_n, warps, stages[, register cap per thread])
+    geoms = [tuple(int(x) for x in g.split(",")) + (0,) * (5 - len(g.split(","))) for g in args.geoms]
+    if args.only:
+        variants = [v for v in variants if v["name"] in args.only]
+    for (B, Hq, Hkv, S), dname in ((shape, d) for shape in shapes for d in args.dtype):
         t0 = time.time()
-        dt = torch.float16
+        dt = bd.DTYPES[dname]
         sets = [bd.make_inputs(B, Hq, Hkv, S, D, dt, 3.0, 0.0, gen) for _ in range(2)]
         kern = bd.planned(sets[0][0], sets[0][1])
         geo = td.geometry(B, Hq, Hkv, S, D, dt, sets[0][0].device, td.config_for(sets[0][0].device))
@@ -237,14 +283,14 @@ def run(args):
             # float64 outputs, filtered (mask) and not (every key kept: eta = 0)
             refs = {mask: [bd.ref_out64(q, k, v, etas[0] if mask else torch.zeros_like(etas[0]), b) for b in range(B)]
                     for mask in {var["mask"] for var in variants}}
-            row = dict(B=B, Hq=Hq, Hkv=Hkv, S=S, sparsity=sp, v_rows_read=union, copy_tbps=copy_bps / 1e12,
+            row = dict(B=B, Hq=Hq, Hkv=Hkv, S=S, dtype=dname, sparsity=sp, v_rows_read=union, copy_tbps=copy_bps / 1e12,
                        sdpa_ms=t_sdpa, dense_ms=t_dense, sift_two_pass_ms=t_sift, nsd=geo["nsd"],
                        floor_vs_sdpa_bytes=floor_bytes / dense_bytes, variants=[])
             for var in variants:
-                for fac, bn, warps, stages in geoms:
+                for fac, bn, warps, stages, maxnreg in geoms:
                     fn = OnePass(B, Hq, Hkv, S, D, max(1, geo["nsd"] * fac), bn, warps, stages, var["store"],
                                  var["mask"], var.get("read_v", True), var.get("anchors", (0, 0)),
-                                 var.get("count", False))
+                                 var.get("count", 0), maxnreg, dt)
                     vthr = [(t if var["mask"] else torch.full_like(t, -float("inf"))).float()
                             for t in (thr_anchored if "anchors" in var else thr)]
                     out = fn(q, k, v, vthr[0])
@@ -260,16 +306,18 @@ def run(args):
                     tsets = [s + (t,) for s, t in zip(sets, vthr)]
                     t = bd.bench_graph(fn, tsets)
                     row["variants"].append(dict(name=var["name"], splits=fn.splits, block_n=bn, warps=warps,
-                                                stages=stages, ms=t, vs_sdpa=t / t_sdpa, err=err,
+                                                stages=stages, maxnreg=maxnreg, ms=t, vs_sdpa=t / t_sdpa, err=err,
+                                                regs=getattr(fn.compiled, "n_regs", None),
+                                                spills=getattr(fn.compiled, "n_spills", None),
                                                 vs_floor=t * 1e-3 / (floor_bytes / copy_bps)))
             rows.append(row)
             best = {}
             for r in row["variants"]:
                 if r["name"] not in best or r["ms"] < best[r["name"]]["ms"]:
                     best[r["name"]] = r
-            print(f"B={B} H={Hq}/{Hkv} S={S} s={sp} vrows={union:.3f} sdpa={t_sdpa:.4f} dense={t_dense / t_sdpa:.3f}x "
+            print(f"B={B} H={Hq}/{Hkv} S={S} {dname} s={sp} vrows={union:.3f} sdpa={t_sdpa:.4f} dense={t_dense / t_sdpa:.3f}x "
                   f"two-pass={t_sift / t_sdpa:.3f}x " +
-                  " ".join(f"{n}={r['vs_sdpa']:.3f}x({r['splits']},{r['block_n']},{r['warps']},{r['stages']})"
+                  " ".join(f"{n}={r['vs_sdpa']:.3f}x({r['splits']},{r['block_n']},{r['warps']},{r['stages']},{r['maxnreg']})"
                            for n, r in best.items()), flush=True)
         sets = kern = None
         if bd.DEV == "cuda":
@@ -280,13 +328,13 @@ def run(args):
                 json.dump(dict(copy_tbps=copy_bps / 1e12, device=torch.cuda.get_device_name() if bd.DEV == "cuda" else "cpu",
                                date=time.strftime("%Y-%m-%d"), rows=rows), f, indent=1)
     names = list(dict.fromkeys(v["name"] for r in rows for v in r["variants"]))
-    print("\n| B | Hq/Hkv | S | s | V rows | dense/SDPA | two-pass/SDPA | " + " | ".join(names) + " |")
-    print("|---|---|---|---|---|---|---|" + "---|" * len(names))
+    print("\n| B | Hq/Hkv | S | dtype | s | V rows | dense/SDPA | two-pass/SDPA | " + " | ".join(names) + " |")
+    print("|---|---|---|---|---|---|---|---|" + "---|" * len(names))
     for r in rows:
         best = {}
         for v in r["variants"]:
             best[v["name"]] = min(best.get(v["name"], math.inf), v["vs_sdpa"])
-        print(f"| {r['B']} | {r['Hq']}/{r['Hkv']} | {r['S']} | {r['sparsity']} | {r['v_rows_read']:.3f} | "
+        print(f"| {r['B']} | {r['Hq']}/{r['Hkv']} | {r['S']} | {r.get('dtype', 'fp16')} | {r['sparsity']} | {r['v_rows_read']:.3f} | "
               f"{r['dense_ms'] / r['sdpa_ms']:.3f} | {r['sift_two_pass_ms'] / r['sdpa_ms']:.3f} | "
               + " | ".join(f"{best[n]:.3f}" for n in names) + " |")
 
@@ -296,11 +344,18 @@ def main():
                                                       "1,32,8,32768"])
     ap.add_argument("--sparsity", nargs="+", type=float, default=[0.875, 0.5])
     ap.add_argument("--geoms", nargs="+", default=["1,64,4,3", "1,64,4,4", "2,64,4,3", "1,128,8,3", "1,32,4,4"],
-                    help="split factor (times the dense kernel's), keys per tile, warps, stages")
+                    help="split factor (times the dense kernel's), keys per tile, warps, stages[, register cap]")
     ap.add_argument("--anchors", type=int, nargs=2, metavar=("FIRST", "LAST"),
                     help="also time the threshold predicted from each row's first FIRST and newest LAST keys")
+    ap.add_argument("--count-mode", type=int, default=1, choices=sorted(COUNT_MODES),
+                    help="how --anchors' counted variants count kept keys: " + ", ".join(
+                        f"{k} {v}" for k, v in COUNT_MODES.items()))
+    ap.add_argument("--count-variants", action="store_true",
+                    help="also time every way of counting each head's kept keys (threshold known)")
     ap.add_argument("--store-variants", action="store_true",
                     help="also time how the scores are stored, and passes that read K only (no output check)")
+    ap.add_argument("--dtype", nargs="+", default=["fp16"], choices=sorted(bd.DTYPES))
+    ap.add_argument("--only", nargs="+", metavar="VARIANT", help="time only these variants (names as in the table)")
     ap.add_argument("--out")
     run(ap.parse_args())
 

@@ -102,10 +102,14 @@ class Sift(Method):
         approx = rows.is_step & ~warm & state.fitted[:, None]
         if not bool(approx.any()):
             return Selection(keep=None, approx=approx)
-        eta = predict_log(state.log_alpha[:, :, None], state.beta[:, :, None], rows.steps[:, None, :].float())  # [B, H, R]
+        eta = self.row_threshold(rows, state)
         keep = keep_row_max(rows.probs, rows.probs > eta.unsqueeze(-1), rows.valid)
         keep = torch.where(approx[:, None, :, None], keep, rows.valid)
         return Selection(keep=keep, approx=approx)
+
+    def row_threshold(self, rows: Rows, state: SiftState) -> torch.Tensor:
+        """eta [B, H, R] of each row of a chunk: the fitted power law at the row's step."""
+        return predict_log(state.log_alpha[:, :, None], state.beta[:, :, None], rows.steps[:, None, :].float())
 
     def decode_phase(self, step: int) -> str:
         """'warmup' for the first ``warmup`` decoded tokens, then 'sparse'."""
