@@ -301,15 +301,15 @@ def test_kernel_config_rejects_bad_knobs():
     assert KernelConfig(quantile_sample=0).quantile_sample == 0
 
 
-def test_register_cap_reaches_compiled_launches_only(monkeypatch):
+def test_register_caps_are_planned_for_compiled_launches_only():
     pytest.importorskip("triton")
     from siftattention.kernels import triton_decode as td
 
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    assert td._regcap(168) == {"maxnreg": 168}
-    assert td._regcap(0) == {}
-    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the interpreter takes no register cap
-    assert td._regcap(168) == {}
+    cfg = td.KernelConfig(maxnreg2=168)
+    compiled = td._plan(8, 32, 8, 4096, 128, torch.float16, 132, True, False, cfg)
+    assert compiled["regs2"] == {"maxnreg": 168} and compiled["regs1"] == compiled["regsd"] == {}
+    interpreted = td._plan(8, 32, 8, 4096, 128, torch.float16, 132, True, True, cfg)
+    assert interpreted["regs2"] == {}  # the interpreter takes no register cap
 
 
 # ----------------------------------------------------------------------------- planned kernels (DecodeKernels)

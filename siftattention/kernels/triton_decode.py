@@ -238,9 +238,9 @@ def _device_info(device: torch.device) -> tuple[int, bool, str]:
     return _DEVICES[idx]
 
 
-def _regcap(n: int) -> dict:
+def _regcap(n: int, interp: bool) -> dict:
     """Launch option capping registers per thread (compiled code only; 0: none)."""
-    return {"maxnreg": n} if n and os.environ.get("TRITON_INTERPRET", "0") != "1" else {}
+    return {"maxnreg": n} if n and not interp else {}
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -330,6 +330,9 @@ def _plan(
         CHD=max(1, min(_pow2(nsd), 4096 // (_pow2(G) * max(16, _pow2(D))))),
         pdl=cfg.pdl and _HAS_PDL and hopper,
         fused=cfg.fused_combine,
+        # Register caps as launch options, formed once here rather than per launch.
+        regs1=_regcap(cfg.maxnreg1, interp), regs2=_regcap(cfg.maxnreg2, interp),
+        regsd=_regcap(cfg.maxnregd, interp), regsq=_regcap(cfg.maxnregq, interp),
     )
 
 
@@ -1275,7 +1278,7 @@ def scores_pass(geo: dict, ws: Workspace, q, k_cache, scale: float, seq_lens, st
         HQ=Hq, HKV=Hkv, G=geo["G"], BLOCK_G=geo["BLOCK_G"], D=geo["D"], BLOCK_D=geo["BLOCK_D"],
         BLOCK_N=geo["BLOCK_N1"], HAS_SEQ_LENS=has_sl, HAS_STARTS=has_st,
         USE_DOT=geo["use_dot"], DOT_PREC=geo["prec"], DOT_UPCAST=geo["upcast"],
-        PDL=pdl, EVICT=cfg.evict, num_warps=cfg.warps1, num_stages=cfg.stages1, **_regcap(cfg.maxnreg1),
+        PDL=pdl, EVICT=cfg.evict, num_warps=cfg.warps1, num_stages=cfg.stages1, **geo["regs1"],
     )
 
 
@@ -1296,7 +1299,7 @@ def quantile_pass(geo: dict, ws: Workspace, tau: torch.Tensor, seq_lens, starts,
         HAS_SEQ_LENS=has_sl, HAS_STARTS=has_st, STAGES=cfg.quantile_stages,
         PREFETCH=cfg.quantile_prefetch, SPARSE_FROM=cfg.quantile_sparse_from,
         SAMPLE=cfg.quantile_sample, MARGIN=cfg.quantile_margin, BITS=geo["QBITS"], BRACKET_BINS=geo["QBRACKET"],
-        CHUNKED=geo["NQ"] > 1, num_warps=cfg.quantile_warps, **_regcap(cfg.maxnregq),
+        CHUNKED=geo["NQ"] > 1, num_warps=cfg.quantile_warps, **geo["regsq"],
     )
     return theta
 
@@ -1337,7 +1340,7 @@ def filter_pass(
         POWER_LAW=power_law, COMPACT=compact, DENSE_PCT=cfg.dense_pct, STAGES_B=geo["STAGES_B"],
         FUSED_COMBINE=fused, RESET_SYNC=fused, RENORMALIZE=renormalize, WRITE_KEPT=want_kept,
         PDL=pdl, EVICT=cfg.evict, CHUNK=geo["CHUNK2"], num_warps=cfg.warps2, num_stages=cfg.stages2,
-        **_regcap(cfg.maxnreg2), **({"launch_pdl": True} if pdl else {}),
+        **geo["regs2"], **({"launch_pdl": True} if pdl else {}),
     )
     if not fused:
         _combine_kernel[(B * Hq,)](
@@ -1402,7 +1405,7 @@ def dense(geo: dict, ws: Workspace, q, k_cache, v_cache, scale: float, seq_lens,
         HQ=Hq, HKV=Hkv, G=geo["G"], BLOCK_G=max(16, geo["BLOCK_GA"]), BLOCK_GA=geo["BLOCK_GA"], D=D,
         BLOCK_D=geo["BLOCK_D"], BLOCK_N=geo["BLOCK_ND"], CH=geo["CHD"], HAS_SEQ_LENS=has_sl, HAS_STARTS=has_st,
         DOT_PREC=geo["prec"], DOT_UPCAST=geo["upcast"], EVICT=cfg.evict, STORE_SCORES=store_scores,
-        num_warps=cfg.warpsd, num_stages=cfg.stagesd, **_regcap(cfg.maxnregd),
+        num_warps=cfg.warpsd, num_stages=cfg.stagesd, **geo["regsd"],
     )
     return out
 
