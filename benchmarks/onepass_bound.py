@@ -237,10 +237,9 @@ def run(args):
     variants = [dict(name="onepass", store=0, mask=True), dict(name="onepass_scores", store=1, mask=True),
                 dict(name="onepass_all", store=0, mask=False)]
     if args.anchors:  # the threshold as an anchored prediction: the anchors' log-sum plus a per-head offset
-        variants += [dict(name="onepass_counted", store=0, mask=True, count=args.count_mode),
+        variants += [dict(name="onepass_counted", store=0, mask=True, count=1),
                      dict(name="onepass_anchored_uncounted", store=0, mask=True, anchors=tuple(args.anchors)),
-                     dict(name="onepass_anchored", store=0, mask=True, anchors=tuple(args.anchors),
-                          count=args.count_mode)]
+                     dict(name="onepass_anchored", store=0, mask=True, anchors=tuple(args.anchors), count=1)]
     if args.count_variants:  # how the kept keys are counted (threshold known)
         variants += [dict(name=f"count_{name}", store=0, mask=True, count=mode)
                      for mode, name in COUNT_MODES.items()]
@@ -347,9 +346,6 @@ def main():
                     help="split factor (times the dense kernel's), keys per tile, warps, stages[, register cap]")
     ap.add_argument("--anchors", type=int, nargs=2, metavar=("FIRST", "LAST"),
                     help="also time the threshold predicted from each row's first FIRST and newest LAST keys")
-    ap.add_argument("--count-mode", type=int, default=1, choices=sorted(COUNT_MODES),
-                    help="how --anchors' counted variants count kept keys: " + ", ".join(
-                        f"{k} {v}" for k, v in COUNT_MODES.items()))
     ap.add_argument("--count-variants", action="store_true",
                     help="also time every way of counting each head's kept keys (threshold known)")
     ap.add_argument("--store-variants", action="store_true",
