@@ -55,8 +55,10 @@ def test_dense_fast_path_equals_transformers_generate(factory):
 @pytest.mark.parametrize("factory", [tiny_llama, tiny_qwen2], ids=["llama", "qwen2"])
 @pytest.mark.parametrize(
     "method",
-    [Full(), TopK(k=0.3), Sift(tau=0.6, warmup=5), Sift(tau=0.7, warmup=4, renormalize=True), Oracle(tau=0.6)],
-    ids=["full", "topk", "sift", "sift-renorm", "oracle"],
+    [Full(), TopK(k=0.3), Sift(tau=0.6, warmup=5), Sift(tau=0.7, warmup=4, renormalize=True), Oracle(tau=0.6),
+     Sift(tau=0.7, warmup=5, normalizer="anchored", anchor_first=2, anchor_last=3),
+     Sift(tau=0.7, warmup=4, renormalize=True, normalizer="anchored", anchor_first=1, anchor_last=4)],
+    ids=["full", "topk", "sift", "sift-renorm", "oracle", "sift-anchored", "sift-anchored-renorm"],
 )
 def test_fast_path_matches_the_reference_path(factory, method):
     """Same tokens and per-step log-probs (fp32) for a left-padded batch; Sift's warmup ends mid-generation."""

@@ -635,6 +635,8 @@ TRITON_CASES = [
 def _triton_worker() -> dict:
     """Runs in a subprocess with TRITON_INTERPRET=1; returns measured errors as JSON."""
     from siftattention.kernels import triton_decode
+    from siftattention.kernels import DecodeKernels
+    from siftattention.kernels.torch_ref import anchor_gap_torch
     from siftattention.kernels.triton_decode import KernelConfig, sift_decode_triton, sift_warmup_decode_triton
 
     res: dict = {"decode": [], "warmup": [], "exact": []}
@@ -663,6 +665,15 @@ def _triton_worker() -> dict:
                 th_ref = ref_theta(q, k, scale, sl, tau)
                 res["warmup"].append(dict(case=i, tau=tau, dtype=dt, err=rel(out, ref),
                                           theta_rel=float(((theta.double() - th_ref).abs() / th_ref).max())))
+            # The anchored normaliser's gap, read from what the warmup step left in its workspace.
+            kern = DecodeKernels.plan(batch=B, q_heads=Hq, kv_heads=Hkv, max_len=S, head_dim=D, dtype=dtype,
+                                      device="cpu", scale=scale, backend="triton", config=cfg)
+            starts = (sl // 3).int()
+            kern.warmup(q, k, v, 0.5, sl.int(), starts)
+            gap = kern.warmup_gap(q, k, sl.int(), starts, 3, 5)
+            want = anchor_gap_torch(q.double(), k.double(), scale, sl, starts, 3, 5)
+            res.setdefault("warmup_gap", []).append(dict(case=i, warmup_dense=cfg.warmup_dense,
+                                                         err=float((gap.double() - want).abs().max())))
     q, k, v, sl = exact_score_case(gen)
     for tau in (0.1, 0.5, 0.875, 0.99, 1.0):
         tau_t = torch.full(q.shape[:2], tau, dtype=torch.float64)
@@ -813,6 +824,14 @@ def test_triton_decode_matches_float64(triton_results):
         assert r["err"] < tol, r
         assert r["kept_equal"], r
         assert r["out_dtype"] == "torch." + r["dtype"], r
+
+
+def test_triton_warmup_leaves_the_anchored_gap(triton_results):
+    """The gap an exact (warmup) step leaves for the anchored normaliser, from the workspace, against float64."""
+    rows = triton_results["warmup_gap"]
+    assert {r["warmup_dense"] for r in rows} == {True, False} and len(rows) >= 5
+    for r in rows:
+        assert r["err"] < 1e-4, r
 
 
 def test_triton_interleaved_cases_interleave(triton_results):

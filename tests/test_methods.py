@@ -1,3 +1,4 @@
+import math
 import pytest
 import torch
 
@@ -166,3 +167,62 @@ def test_sift_threshold_after_a_long_prompt_follows_a_steep_fit():
     later = torch.tensor([2065.0, 2100.0, 2300.0], dtype=torch.float64)
     eta = torch.exp(state.log_alpha[0, :, None] - state.beta[0, :, None] * later.float().log())  # the decode step's arithmetic
     torch.testing.assert_close(eta.double(), 1e-4 * (later[None, :] / 2064) ** -betas[:, None], rtol=5e-3, atol=0)
+
+
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_sift_anchored_normaliser_matches_a_float64_row_loop(renormalize):
+    """Keep p > eta * exp(g_{t-1} - g_t), g = -log(sum of p over the first 3 and newest 5 keys), or the row max."""
+    q, k, v, valid = _random_rows(seed=6)
+    warmup = 6
+    exact = Sift(tau=0.7, warmup=warmup, renormalize=renormalize)
+    anchored = Sift(tau=0.7, warmup=warmup, renormalize=renormalize, normalizer="anchored", anchor_first=3, anchor_last=5)
+    fitted = exact.new_state(2, 4, q.device)
+    method_attention(exact, fitted, q, k, v, valid, scaling=0.25)
+    state = anchored.new_state(2, 4, q.device)
+    out = method_attention(anchored, state, q, k, v, valid, scaling=0.25)
+    # The warmup is exact and recorded alike, so both fit the same power law.
+    torch.testing.assert_close(state.log_alpha, fitted.log_alpha)
+    _, p = _reference_output(q, k, v, torch.ones(1, dtype=torch.bool), False)
+    keep = torch.ones_like(p, dtype=torch.bool).tril()
+    B, H, R, _ = p.shape
+    for b in range(B):
+        for h in range(H):
+            prev = None
+            for r in range(R):
+                row = p[b, h, r, : r + 1]
+                anchors = [i for i in range(r + 1) if i < 3 or i > r - 5]
+                gap = -torch.log(row[anchors].sum())
+                if r + 1 > warmup:
+                    eta = torch.exp(fitted.log_alpha[b, h].double() - fitted.beta[b, h].double() * math.log(r + 1))
+                    keep[b, h, r, : r + 1] = row > eta * torch.exp(prev - gap)
+                    keep[b, h, r, int(row.argmax())] = True
+                prev = gap
+    ref, _ = _reference_output(q, k, v, keep, renormalize)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    assert 0.1 < 1 - keep[..., warmup:, :].sum() / valid.expand_as(keep)[..., warmup:, :].sum()  # it does sift
+    steps = torch.arange(1, R + 1, dtype=torch.float64)
+    eta = torch.exp(fitted.log_alpha.double()[..., None] - fitted.beta.double()[..., None] * steps.log())
+    exact_keep = (p > eta[..., None]).tril() | (p == p.amax(-1, keepdim=True))
+    assert (keep != exact_keep)[..., warmup:, :].any()  # the predicted normaliser moves the kept set
+    torch.testing.assert_close(state.gap.double(), -torch.log(p[:, :, -1, list(range(3)) + list(range(R - 5, R))].sum(-1)),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_sift_anchored_with_every_key_an_anchor_is_sift():
+    q, k, v, valid = _random_rows(seed=7)
+    outs = [method_attention(m, m.new_state(2, 4, q.device), q, k, v, valid, scaling=0.25)
+            for m in (Sift(tau=0.7, warmup=4), Sift(tau=0.7, warmup=4, normalizer="anchored", anchor_first=64, anchor_last=0))]
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+
+
+def test_sift_anchored_options_are_checked_and_spelled_only_when_used():
+    assert "normalizer" not in Sift().spec()
+    spec = Sift(normalizer="anchored", anchor_last=128).spec()
+    assert spec.endswith("normalizer=anchored,anchor_last=128")
+    assert parse_method(spec) == Sift(normalizer="anchored", anchor_last=128)
+    with pytest.raises(ValueError, match="normalizer must be"):
+        Sift(normalizer="guess")
+    with pytest.raises(ValueError, match="anchor_first must be"):
+        Sift(anchor_first=-1)
+    with pytest.raises(ValueError, match="at least 1"):
+        Sift(anchor_first=0, anchor_last=0)

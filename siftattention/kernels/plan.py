@@ -28,7 +28,8 @@ from typing import NamedTuple
 
 import torch
 
-from .torch_ref import dense_decode_torch, sift_decode_torch, sift_warmup_decode_torch
+from .torch_ref import (anchor_gap_torch, dense_decode_torch, sift_anchored_decode_torch, sift_decode_torch,
+                        sift_warmup_decode_torch)
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -110,6 +111,7 @@ class DecodeKernels:
         self.batch, self.q_heads, self.kv_heads, self.max_len, self.head_dim = batch, q_heads, kv_heads, max_len, head_dim
         self.dtype, self.device, self.scale, self.renormalize = dtype, device, scale, renormalize
         self._taus: dict[float, torch.Tensor] = {}  # a float tau as the [B, Hq] tensor the kernels read
+        self._onepass: dict[tuple[int, int], object] = {}  # one-pass anchored plans by (first, last) anchors
         if backend == "triton":
             from . import triton_decode as td
 
@@ -173,6 +175,41 @@ class DecodeKernels:
         if self.backend == "cpu":
             return self._cpu.sift_decode_cpu(q, k_cache, v_cache, eta, self.scale, seq_lens, self.renormalize, starts)
         return sift_decode_torch(q, k_cache, v_cache, eta, self.scale, seq_lens, self.renormalize, starts)
+
+    def sparse_anchored(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        threshold: PowerLawThreshold, gap: torch.Tensor, seq_lens: torch.Tensor,
+                        starts: torch.Tensor | None, first: int, last: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sift step with the anchored normaliser (``Sift(normalizer="anchored")``): out and kept as ``sparse``.
+
+        ``gap`` [B, Hq] float32 holds the previous step's gap (NaN: keep every key) and is
+        overwritten with this step's. On Triton the step is one pass over K and V
+        (``triton_onepass``), planned on first use for each anchor count.
+        """
+        if self.backend == "triton":
+            run = self._onepass.get((first, last))
+            if run is None:  # planned on the first (eager) call, never inside a captured step
+                from .triton_onepass import OnePassPlan
+
+                run = self._onepass[(first, last)] = OnePassPlan(
+                    self.batch, self.q_heads, self.kv_heads, self.max_len, self.head_dim, self.dtype, self.device,
+                    first, last, self.config)
+            return run(q, k_cache, v_cache, threshold, gap, self.scale, seq_lens, starts, self.renormalize)
+        log_eta = threshold.log_alpha - threshold.beta * threshold.log_steps[:, None]
+        out, kept, new_gap = sift_anchored_decode_torch(q, k_cache, v_cache, log_eta, gap, self.scale, seq_lens,
+                                                        self.renormalize, starts, first, last)
+        gap.copy_(new_gap)
+        return out, kept
+
+    def warmup_gap(self, q: torch.Tensor, k_cache: torch.Tensor, seq_lens: torch.Tensor, starts: torch.Tensor | None,
+                   first: int, last: int) -> torch.Tensor:
+        """The anchored normaliser's gap [B, Hq] float32 of an exact step (log-sum-exp minus the anchors').
+
+        On Triton it reads the scores and statistics the ``warmup`` call just before it left
+        in the workspace (same q, cache and key range); elsewhere it scores the keys again.
+        """
+        if self.backend == "triton":
+            return self._td.warmup_gap(self.geometry, self.workspace, seq_lens, starts, first, last, self.config)
+        return anchor_gap_torch(q, k_cache, self.scale, seq_lens, starts, first, last)
 
     def dense(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
               starts: torch.Tensor | None = None) -> torch.Tensor:

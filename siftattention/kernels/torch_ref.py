@@ -37,13 +37,19 @@ def _scores(
     B, Hq, D = q.shape
     Hkv, S = k_cache.shape[1], k_cache.shape[2]
     G = Hq // Hkv
-    qf = q.float().reshape(B, Hkv, G, D)
-    s = torch.matmul(qf, k_cache.float().transpose(-1, -2)).reshape(B, Hq, S) * scale
+    acc = _acc_dtype(q)
+    qf = q.to(acc).reshape(B, Hkv, G, D)
+    s = torch.matmul(qf, k_cache.to(acc).transpose(-1, -2)).reshape(B, Hq, S) * scale
     valid = valid_keys(B, S, q.device, seq_lens, starts)
     if valid is None:
         return s, torch.ones(B, Hq, S, dtype=torch.bool, device=q.device)
     valid = valid[:, None, :]
     return s.masked_fill(~valid, float("-inf")), valid.expand(B, Hq, S)
+
+
+def _acc_dtype(x: torch.Tensor) -> torch.dtype:
+    """float32 accumulation, float64 for float64 inputs (the references tests compare against)."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
 def _probs(s: torch.Tensor) -> torch.Tensor:
@@ -54,7 +60,7 @@ def _apply_v(p: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
     B, Hq, S = p.shape
     Hkv, D = v_cache.shape[1], v_cache.shape[3]
     G = Hq // Hkv
-    out = torch.matmul(p.reshape(B, Hkv, G, S), v_cache.float())
+    out = torch.matmul(p.reshape(B, Hkv, G, S), v_cache.to(p.dtype))
     return out.reshape(B, Hq, D)
 
 
@@ -89,6 +95,84 @@ def sift_decode_torch(
         w = w / w.sum(dim=-1, keepdim=True)
     out = _apply_v(w, v_cache)
     return out.to(q.dtype), keep.sum(dim=-1, dtype=torch.int32)
+
+
+def anchor_mask(valid: torch.Tensor, first: int, last: int) -> torch.Tensor:
+    """The anchor keys of each row: its first ``first`` and newest ``last`` valid keys (``valid`` [..., S])."""
+    rank = valid.cumsum(-1)  # 1-based rank of each valid key
+    n = rank[..., -1:]
+    return valid & ((rank <= first) | (rank > n - last))
+
+
+def anchored_threshold(anchor_lse: torch.Tensor, gap: torch.Tensor, log_eta: torch.Tensor) -> torch.Tensor:
+    """The score threshold of the anchored filter: ``anchor_lse + gap + log(eta)``, [B, Hq].
+
+    ``anchor_lse + gap`` predicts the row's log-normaliser; a NaN gap (no step measured it
+    yet) or ``log_eta = -inf`` (eta <= 0) keeps every key (-inf); ``log_eta >= 0`` (eta >= 1)
+    keeps the row maximum only (+inf), as the exact filter does.
+    """
+    thr = anchor_lse + torch.where(torch.isnan(gap), float("-inf"), gap) + log_eta
+    return torch.where(log_eta >= 0, float("inf"), thr)
+
+
+def sift_anchored_decode_torch(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    log_eta: torch.Tensor,
+    gap: torch.Tensor,
+    scale: float,
+    seq_lens: torch.Tensor | None,
+    renormalize: bool,
+    starts: torch.Tensor | None,
+    first: int,
+    last: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sift with the anchored normaliser: keep keys with ``s > anchor_lse + gap + log(eta)``.
+
+    ``log_eta`` [B, Hq] float32; ``gap`` [B, Hq] float32, the previous step's
+    ``logsumexp(s) - anchor_lse`` (NaN: keep every key). The kept keys get the exact
+    normaliser (or their own mass with ``renormalize``); the row maximum is always kept.
+    Returns out [B, Hq, D] in q's dtype, kept [B, Hq] int32 and this step's gap [B, Hq] float32.
+    """
+    s, valid = _scores(q, k_cache, scale, seq_lens, starts)
+    lse = torch.logsumexp(s, dim=-1)
+    anchor_lse = torch.logsumexp(s.masked_fill(~anchor_mask(valid, first, last), float("-inf")), dim=-1)
+    thr = anchored_threshold(anchor_lse, gap.float(), log_eta.float())
+    keep = (s > thr[..., None]) & valid
+    keep.scatter_(-1, s.argmax(dim=-1, keepdim=True), True)
+    w = torch.where(keep, torch.exp(s - lse[..., None]), torch.zeros((), dtype=s.dtype, device=s.device))
+    if renormalize:
+        w = w / w.sum(dim=-1, keepdim=True)
+    out = _apply_v(w, v_cache)
+    return out.to(q.dtype), keep.sum(dim=-1, dtype=torch.int32), lse - anchor_lse
+
+
+def anchor_gap_torch(
+    q: torch.Tensor, k_cache: torch.Tensor, scale: float, seq_lens: torch.Tensor | None, starts: torch.Tensor | None,
+    first: int, last: int,
+) -> torch.Tensor:
+    """``logsumexp(s) - logsumexp(s over the anchors)`` [B, Hq] float32: the gap an exact step leaves."""
+    s, valid = _scores(q, k_cache, scale, seq_lens, starts)
+    anchor_lse = torch.logsumexp(s.masked_fill(~anchor_mask(valid, first, last), float("-inf")), dim=-1)
+    return (torch.logsumexp(s, dim=-1) - anchor_lse).float()
+
+
+def anchor_positions(
+    max_len: int, seq_lens: torch.Tensor, starts: torch.Tensor | None, first: int, last: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cache positions [B, first + last] of each row's anchor keys and whether each is one.
+
+    Slot j < first is the row's j-th valid key; the others count back from the newest key,
+    and are no anchor where they fall among the first ``first`` (rows shorter than
+    ``first + last``). Positions of non-anchors are clamped into the cache.
+    """
+    j = torch.arange(first + last, device=seq_lens.device)[None, :]
+    begin = (starts if starts is not None else torch.zeros_like(seq_lens)).long()[:, None]
+    end = seq_lens.long()[:, None]
+    pos = torch.where(j < first, begin + j, end - (first + last) + j)
+    is_anchor = torch.where(j < first, pos < end, pos >= begin + first)
+    return pos.clamp(0, max_len - 1), is_anchor
 
 
 def dense_decode_torch(

@@ -54,8 +54,10 @@ import triton
 import triton.language as tl
 
 from .plan import PowerLawThreshold
+from .torch_ref import anchor_positions
 
 LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
 # Programmatic dependent launch (Hopper+): the filter kernel is dispatched while the
 # scores kernel drains, and each of its programs waits for its own row only.
 try:
@@ -1386,6 +1388,21 @@ def warmup(geo: dict, ws: Workspace, q, k_cache, v_cache, tau, scale: float, seq
         raise
     out, _ = _filter_or_reset(geo, ws, v_cache, None, seq_lens, starts, cfg, q.dtype, False, False, pdl)
     return out, theta
+
+
+def warmup_gap(geo: dict, ws: Workspace, seq_lens, starts, first: int, last: int, cfg: KernelConfig) -> torch.Tensor:
+    """The anchored normaliser's gap [B, Hq] of the warmup step just run on ``ws``: its exact
+    log-sum-exp (from the split statistics) minus that of its anchor keys (gathered from the
+    stored scores), in natural log. A few small torch launches; warmup steps only."""
+    mst, lst = (ws.dm, ws.dl) if cfg.warmup_dense else (ws.mst, ws.lst)
+    m = mst.amax(dim=-1, keepdim=True)
+    lse2 = m[..., 0] + torch.log2((lst * torch.exp2(mst - m)).sum(dim=-1))
+    B, Hq, S = ws.scores.shape
+    if seq_lens is None:
+        seq_lens = torch.full((B,), S, dtype=torch.int32, device=ws.scores.device)
+    pos, is_anchor = anchor_positions(S, seq_lens, starts, first, last)
+    anchored = ws.scores.gather(2, pos[:, None, :].expand(B, Hq, -1)).masked_fill(~is_anchor[:, None, :], float("-inf"))
+    return lse2 * LN2 - torch.logsumexp(anchored * LN2, dim=-1)
 
 
 def dense(geo: dict, ws: Workspace, q, k_cache, v_cache, scale: float, seq_lens, starts, cfg: KernelConfig,

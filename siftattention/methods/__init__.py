@@ -18,6 +18,7 @@ SPEC_HELP = """Method spec grammar: NAME[:KEY=VALUE[,KEY=VALUE...]]
   topk:k=0.125[,renormalize=true]          keep the ceil(k*S) largest scores
   h2o:k=0.125[,heavy_ratio=0.5]            heavy-hitter + recent eviction, budget k
   sift:tau=0.875,warmup=128[,renormalize=false][,warmup_source=decode|prefill]
+       [,normalizer=exact|anchored][,anchor_first=64][,anchor_last=256]
   oracle:tau=0.875[,renormalize=false]     exact per-step tau-quantile threshold
 Booleans: true/false/1/0/yes/no."""
 

@@ -124,6 +124,9 @@ class Method:
     renormalize: bool = False
     #: rows with S <= warmup (teacher-forced) or the first ``warmup`` decoded tokens are exact.
     warmup: int = 0
+    #: parameters ``spec()`` names only where they differ from their defaults (options added later
+    #: keep the specs, and the result file names made from them, of the methods that do not use them)
+    spec_optional: ClassVar[tuple[str, ...]] = ()
 
     def new_state(self, batch: int, heads: int, device: torch.device) -> Any:
         """Per-(sequence, head) state for one layer; None when the method keeps none."""
@@ -170,5 +173,6 @@ class Method:
         """The method as a CLI spec, ``name:key=value,...``."""
         from dataclasses import fields
 
-        parts = [f"{f.name}={getattr(self, f.name)}" for f in fields(self)]  # type: ignore[arg-type]
+        parts = [f"{f.name}={getattr(self, f.name)}" for f in fields(self)  # type: ignore[arg-type]
+                 if f.name not in self.spec_optional or getattr(self, f.name) != f.default]
         return self.name + (":" + ",".join(parts) if parts else "")

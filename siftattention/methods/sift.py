@@ -4,16 +4,24 @@ Warmup: the first ``warmup`` generation steps of each sequence are exact and rec
 theta_S, the tau-quantile of each head's attention probabilities. At the end of the
 warmup, ``log theta`` is regressed on ``log S`` per (sequence, head). Afterwards a
 key is kept when its probability exceeds the predicted eta_S = alpha * S^-beta.
+
+``normalizer="anchored"`` (beyond the paper) predicts the row's normaliser as well, so a
+decode step can filter while it reads the keys, in one pass: the log-sum-exp of the row's
+anchor keys (its first ``anchor_first`` and newest ``anchor_last`` valid keys) plus the
+previous step's gap between the exact log-sum-exp and the anchor sum. In probabilities: with
+``g_t = -log(sum of p_t over the anchors)``, a key is kept when
+``p > eta * exp(g_{t-1} - g_t)``. The kept keys still get the exact normaliser.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 
 from ..kernels.plan import PowerLawThreshold
+from ..kernels.torch_ref import anchor_mask
 from ..powerlaw import fit_power_law, masked_quantile, predict_log
 from .base import DecodeOutput, KeyRange, Method, Rows, Selection, check_fraction, keep_row_max
 
@@ -29,6 +37,7 @@ class SiftState:
     beta: torch.Tensor  # [B, H]
     r2: torch.Tensor  # [B, H] in-sample R^2 of the warmup fit
     log_alpha: torch.Tensor  # [B, H] log alpha of fitted rows, -inf elsewhere (so the decode threshold is 0)
+    gap: torch.Tensor  # [B, H] logsumexp - anchor logsumexp of the last step row (anchored normaliser); NaN before
 
     @property
     def alpha(self) -> torch.Tensor:
@@ -44,7 +53,12 @@ class Sift(Method):
     warmup: int = 128
     renormalize: bool = False
     warmup_source: Literal["decode", "prefill"] = "decode"
+    normalizer: Literal["exact", "anchored"] = "exact"
+    anchor_first: int = 64
+    anchor_last: int = 256
     name = "sift"
+    #: shown in ``spec()`` only where they differ from their defaults
+    spec_optional: ClassVar[tuple[str, ...]] = ("normalizer", "anchor_first", "anchor_last")
 
     def __post_init__(self) -> None:
         self.tau = check_fraction("tau", self.tau)
@@ -52,6 +66,18 @@ class Sift(Method):
             raise ValueError(f"warmup must be an integer >= 2, got {self.warmup!r}")
         if self.warmup_source not in ("decode", "prefill"):
             raise ValueError(f"warmup_source must be 'decode' or 'prefill', got {self.warmup_source!r}")
+        if self.normalizer not in ("exact", "anchored"):
+            raise ValueError(f"normalizer must be 'exact' or 'anchored', got {self.normalizer!r}")
+        for name in ("anchor_first", "anchor_last"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
+        if self.anchor_first + self.anchor_last == 0:
+            raise ValueError("anchor_first + anchor_last must be at least 1")
+
+    @property
+    def anchored(self) -> bool:
+        return self.normalizer == "anchored"
 
     def new_state(self, batch: int, heads: int, device: torch.device) -> SiftState:
         f32 = dict(dtype=torch.float32, device=device)
@@ -63,6 +89,7 @@ class Sift(Method):
             beta=torch.zeros(batch, heads, **f32),
             r2=torch.zeros(batch, heads, **f32),
             log_alpha=torch.full((batch, heads), float("-inf"), **f32),
+            gap=torch.full((batch, heads), float("nan"), **f32),
         )
 
     def _record(self, rows: Rows, state: SiftState, record: torch.Tensor, slot: torch.Tensor) -> None:
@@ -92,6 +119,7 @@ class Sift(Method):
         state.fitted |= which
 
     def select(self, rows: Rows, state: SiftState) -> Selection:
+        factor = self._anchored_factor(rows, state) if self.anchored else None
         # Index of each step row within its sequence's steps: warmup rows come first.
         order = state.count[:, None] + torch.cumsum(rows.is_step.long(), dim=1) - 1
         warm = rows.is_step & (order < self.warmup) & ~state.fitted[:, None]
@@ -103,9 +131,28 @@ class Sift(Method):
         if not bool(approx.any()):
             return Selection(keep=None, approx=approx)
         eta = self.row_threshold(rows, state)
+        if factor is not None:
+            eta = eta * factor
         keep = keep_row_max(rows.probs, rows.probs > eta.unsqueeze(-1), rows.valid)
         keep = torch.where(approx[:, None, :, None], keep, rows.valid)
         return Selection(keep=keep, approx=approx)
+
+    def _anchored_factor(self, rows: Rows, state: SiftState) -> torch.Tensor:
+        """exp(g_{t-1} - g_t) per row [B, H, R] (0 where no earlier step row has a gap: keep every key),
+        and the gap of each sequence's last step row kept for the next chunk."""
+        gap = self._gaps(rows)
+        prev = torch.cat([state.gap[:, :, None], gap[:, :, :-1]], dim=2)
+        factor = torch.where(torch.isnan(prev), 0.0, torch.exp(prev - gap))
+        R = rows.is_step.shape[1]
+        last = (rows.is_step.long() * torch.arange(1, R + 1, device=gap.device)).argmax(dim=1)
+        newest = gap[torch.arange(gap.shape[0], device=gap.device), :, last]
+        state.gap.copy_(torch.where(rows.is_step.any(dim=1)[:, None], newest, state.gap))
+        return factor
+
+    def _gaps(self, rows: Rows) -> torch.Tensor:
+        """g = -log(sum of p over each row's anchor keys), [B, H, R]: logsumexp minus the anchors' logsumexp."""
+        anchor = anchor_mask(rows.valid, self.anchor_first, self.anchor_last)
+        return -torch.log((rows.probs * anchor).sum(-1))
 
     def row_threshold(self, rows: Rows, state: SiftState) -> torch.Tensor:
         """eta [B, H, R] of each row of a chunk: the fitted power law at the row's step."""
@@ -125,9 +172,19 @@ class Sift(Method):
             state.thetas.index_copy_(2, slot, theta[:, :, None].float())
             state.theta_steps.index_copy_(1, slot, keys.steps().float()[:, None])
             state.count += 1
+            if self.anchored:
+                state.gap.copy_(kernels.warmup_gap(query, k_cache, keys.seq_lens, keys.starts, *self.anchors))
             return DecodeOutput(out, None, False)
-        out, kept = kernels.sparse(query, k_cache, v_cache, self.power_law(state, keys), keys.seq_lens, keys.starts)
+        if self.anchored:
+            out, kept = kernels.sparse_anchored(query, k_cache, v_cache, self.power_law(state, keys), state.gap,
+                                                keys.seq_lens, keys.starts, *self.anchors)
+        else:
+            out, kept = kernels.sparse(query, k_cache, v_cache, self.power_law(state, keys), keys.seq_lens, keys.starts)
         return DecodeOutput(out, kept, state.fitted)
+
+    @property
+    def anchors(self) -> tuple[int, int]:
+        return self.anchor_first, self.anchor_last
 
     def end_decode_phase(self, phase: str, states: list[SiftState]) -> None:
         """After the warmup: fit every layer's power law, layers of one shape in one batched fit."""
@@ -170,6 +227,10 @@ class Sift(Method):
         record = (rows.steps > first) & (rows.steps > 0)
         self._record(rows, state, record, (rows.steps - first - 1).clamp(0, self.warmup - 1))
         state.count = n_total[:, 0].clone()
+        if self.anchored:  # the first decoded token filters with the last prompt row's gap
+            last = rows.steps == rows.last_step[:, None]  # [B, R]
+            gap = torch.where(last[:, None, :], self._gaps(rows), 0.0).sum(-1)
+            state.gap.copy_(torch.where(last.any(dim=1)[:, None], gap, state.gap))
 
     def finish_prefill(self, state: SiftState) -> None:
         if self.warmup_source == "prefill":
