@@ -45,6 +45,7 @@ import torch.nn.functional as F
 
 from siftattention.kernels import DecodeKernels, sift_decode, sift_warmup_decode
 from siftattention.kernels import triton_decode as td
+from siftattention.kernels.plan import PowerLawThreshold
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 # Dry runs of this script's logic on a CPU: BENCH_DEVICE=cpu TRITON_INTERPRET=1 (tiny shapes).
@@ -120,6 +121,15 @@ def ref_out64(q, k, v, eta, b, renormalize=False):
     Hkv, D = v.shape[1], v.shape[3]
     G = q.shape[1] // Hkv
     return torch.matmul(w.reshape(Hkv, G, -1), v[b].double()).reshape(-1, D)
+
+
+def oracle_gaps(q, k, first, last):
+    """float32 [B, Hq] gap ``logsumexp(s) - logsumexp(s over the anchors)`` of this very step (float64):
+    handed to the anchored step it predicts the normaliser exactly, so its kept keys are the exact filter's."""
+    S = k.shape[2]
+    pos = torch.cat([torch.arange(min(first, S)), torch.arange(max(first, S - last), S)]).to(q.device)
+    rows = [ref_scores64(q, k, b) for b in range(q.shape[0])]
+    return torch.stack([torch.logsumexp(s, -1) - torch.logsumexp(s[:, pos], -1) for s in rows]).float()
 
 
 def rel_err(a, b):
@@ -556,6 +566,22 @@ def run_sweep(args, copy_bps):
             sift_fn = lambda q, k, v, e: kern.sparse(q, k, v, e, sl)  # noqa: E731
             sift_sets = [s + (e,) for s, e in zip(sets, etas)]
             t_sift_g = bench_graph(sift_fn, sift_sets)
+            anchored = {}
+            if args.anchored:  # Sift(normalizer="anchored")'s one-pass step, its normaliser predicted exactly
+                first, last = args.anchored
+                zeros = torch.zeros(B, device=DEV)
+                a_sets = [s + (PowerLawThreshold(torch.log(e), torch.zeros_like(e), zeros), oracle_gaps(s[0], s[1], first, last))
+                          for s, e in zip(sets, etas)]
+                a_fn = lambda q, k, v, t, g: kern.sparse_anchored(q, k, v, t, g, sl, None, first, last)  # noqa: E731
+                for si, a_set in enumerate(a_sets):
+                    out, kept = a_fn(*a_set)
+                    assert torch.equal(kept, th[si][1]), f"anchored kept mismatch {B,Hq,Hkv,S,dtn,sp} set {si}"
+                    if si == 0:
+                        a_err = max(rel_err(out[b], ref_out64(*a_set[:3], etas[0], b)) for b in range(B))
+                        assert a_err < 1e-2, a_err
+                t_anch = bench_graph(a_fn, a_sets)
+                anchored = dict(anchored_graph_ms=t_anch, anchored_vs_sdpa_graph=t_anch / t_sdpa_g, anchored_out_err=a_err,
+                                anchored_vs_floor=t_anch * 1e-3 / (dense / 2 * (1 + union) / copy_bps), anchors=[first, last])
             kk = max(1, round((1 - sp) * S))
             topk_fn = lambda q, k, v: topk_decode(q, k, v, kk)  # noqa: E731
             t_topk_g = bench_graph(topk_fn, sets)
@@ -572,7 +598,7 @@ def run_sweep(args, copy_bps):
                 sift_vs_floor=t_sift_g * 1e-3 / (floor_bytes / copy_bps),
                 sdpa_vs_floor=t_sdpa_g * 1e-3 / (dense / copy_bps),
                 dense_vs_floor=t_dense_g * 1e-3 / (dense / copy_bps),
-                out_rel_err=err, warmup_out_err=w_err, dense_out_err=d_err, theta_rel_err=th_err,
+                out_rel_err=err, warmup_out_err=w_err, dense_out_err=d_err, theta_rel_err=th_err, **anchored,
             )
             if args.eager:
                 t_sift = bench(sift_fn, sift_sets)
@@ -583,7 +609,8 @@ def run_sweep(args, copy_bps):
                 f"B={B:2d} H={Hq}/{Hkv} S={S:6d} {dtn} corr={gc} s={row['realized']:.3f} vrows={union:.3f} sdpa={t_sdpa_g:.4f} "
                 f"({row['sdpa_vs_floor']:.2f}x floor) sift={t_sift_g:.4f} ({row['sift_vs_sdpa_graph']:.3f}x sdpa, "
                 f"{row['sift_vs_floor']:.2f}x floor) topk/sift={row['topk_over_sift_graph']:.2f} dense={row['dense_vs_sdpa_graph']:.3f}x "
-                f"warm={row['warmup_vs_sdpa_graph']:.3f}x err={err:.1e}",
+                f"warm={row['warmup_vs_sdpa_graph']:.3f}x err={err:.1e}"
+                + (f" anchored={row['anchored_vs_sdpa_graph']:.3f}x" if anchored else ""),
                 flush=True,
             )
         sets = kern = None  # free the inputs before the next shape
@@ -597,9 +624,10 @@ def run_sweep(args, copy_bps):
 
 def print_table(rows):
     """GPU-time ratios over CUDA-graph replays, with each side's byte-floor ratio."""
+    anchored = any("anchored_vs_sdpa_graph" in r for r in rows)
     print("\n| B | Hq/Hkv | S | dtype | corr | sparsity | V rows read | SDPA ms | SDPA / floor | sift / SDPA | sift / floor "
-          "| top-k / sift | dense / SDPA | warmup / SDPA |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| top-k / sift | dense / SDPA | warmup / SDPA |" + (" anchored / SDPA | anchored / floor |" if anchored else ""))
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if anchored else ""))
     for r in rows:
         if "sdpa_vs_floor" not in r:  # an older result file (no byte floors)
             continue
@@ -607,6 +635,8 @@ def print_table(rows):
             f"| {r['B']} | {r['Hq']}/{r['Hkv']} | {r['S']} | {r['dtype']} | {r.get('group_corr', 0.0)} | {r['realized']:.3f} | "
             f"{r['v_rows_read']:.3f} | {r['sdpa_graph_ms']:.4f} | {r['sdpa_vs_floor']:.2f} | {r['sift_vs_sdpa_graph']:.3f} | "
             f"{r['sift_vs_floor']:.2f} | {r['topk_over_sift_graph']:.2f} | {r['dense_vs_sdpa_graph']:.3f} | {r['warmup_vs_sdpa_graph']:.3f} |"
+            + (f" {r['anchored_vs_sdpa_graph']:.3f} | {r['anchored_vs_floor']:.2f} |" if "anchored_vs_sdpa_graph" in r
+               else " - | - |" if anchored else "")
         )
 
 
@@ -628,6 +658,11 @@ TARGETS = [
 ]
 
 
+# The same targets for Sift(normalizer="anchored")'s one-pass step, where a sweep timed it (--anchored).
+TARGETS += [(label.replace("sift", "anchored sift", 1), sel, key.replace("sift", "anchored"), sp, bound, upper)
+            for label, sel, key, sp, bound, upper in TARGETS if key in ("sift_vs_sdpa_graph", "sift_vs_floor")]
+
+
 def print_targets(rows):
     """The short table printed last: each target per (shape, dtype, group correlation), worst cell."""
     rows = [r for r in rows if "sift_vs_floor" in r]
@@ -636,7 +671,7 @@ def print_targets(rows):
     print("\n| target | dtype | shape (B, Hq/Hkv, S) | corr | worst (at s) | met |")
     print("|---|---|---|---|---|---|")
     for label, sel, key, sp, bound, upper in TARGETS:
-        cells = [r for r in rows if sel(r)]
+        cells = [r for r in rows if sel(r) and key in r]
         groups = sorted({(r["dtype"], r["B"], r["Hq"], r["Hkv"], r["S"], r.get("group_corr", 0.0)) for r in cells})
         for g in groups:
             cs = [r for r in cells if (r["dtype"], r["B"], r["Hq"], r["Hkv"], r["S"], r.get("group_corr", 0.0)) == g]
@@ -793,6 +828,8 @@ def main():
     ap.add_argument("--graph", action="store_true", help="(kept for old command lines: times are always CUDA-graph replays)")
     ap.add_argument("--eager", action="store_true", help="also time Python-launched calls and host time per call")
     ap.add_argument("--shapes", nargs="*", help="--tune-grid shapes as B,Hq,Hkv,S")
+    ap.add_argument("--anchored", type=int, nargs="*", metavar="N",
+                    help="also time Sift(normalizer='anchored')'s one-pass step (anchors FIRST LAST, default 64 256)")
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--config", help='KernelConfig overrides for every mode as JSON, e.g. {"tma1": true}')
     ap.add_argument("--tune", action="store_true")
@@ -815,6 +852,10 @@ def main():
         args.sparsity = args.sparsity or [0.0, 0.5, 0.75, 0.875, 0.95]
     if args.render:
         return render(args.render)
+    if args.anchored is not None:
+        if args.anchored and (len(args.anchored) != 2 or min(args.anchored) < 0 or sum(args.anchored) == 0):
+            ap.error("--anchored takes two counts FIRST LAST (>= 0, not both 0), or none for 64 256")
+        args.anchored = tuple(args.anchored) or (64, 256)
 
     if args.ncu_child:
         return run_ncu_child(args)

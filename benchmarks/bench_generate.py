@@ -355,7 +355,8 @@ def check() -> dict:
         ref = model.generate(input_ids=ids, attention_mask=mask, **kw)
     res = generate(model, ids, mask, Full(), max_new_tokens=40, eos_token_id=-1, pad_token_id=0)
     out["dense_vs_transformers_equal"] = bool(torch.equal(ref, res.sequences))
-    for method in (Sift(tau=0.75, warmup=8), Sift(tau=0.75, warmup=8, renormalize=True)):
+    for method in (Sift(tau=0.75, warmup=8), Sift(tau=0.75, warmup=8, renormalize=True),
+                   Sift(tau=0.75, warmup=8, normalizer="anchored")):
         with apply(model, method, decode_backend=None) as handle, torch.inference_mode():
             ref = model.generate(input_ids=ids, attention_mask=mask, **kw)
             ref_s = handle.stats.realized_sparsity(post_warmup=True)
@@ -378,6 +379,8 @@ def main() -> None:
     ap.add_argument("--plant-std", type=float, default=2.0, help="std of the planted per-key logits (0: no planting, random weights only)")
     ap.add_argument("--head-corr", type=float, default=0.0, help="correlation of the planted logits between the query heads of a KV group")
     ap.add_argument("--q-scale", type=float, default=0.1, help="scale of the random query weights (the planted dims excepted)")
+    ap.add_argument("--normalizer", nargs="+", default=["exact"], choices=["exact", "anchored"],
+                    help="Sift's normaliser(s): a sift row per choice (anchored: the one-pass step, row 'sift_anchored')")
     ap.add_argument("--prefill-chunk", type=int, default=8192)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--check", action="store_true")
@@ -422,9 +425,13 @@ def main() -> None:
         batch, prompt = (int(x) for x in setting.split("x"))
         row = {"batch": batch, "prompt": prompt, "floor_ms": floor_ms(model, batch, prompt + args.new // 2, report["copy_bw_tb_s"] * 1e12)}
         ids = torch.randint(3, 128000, (batch, prompt), device="cuda")
+        sifts = [("sift" if norm == "exact" else f"sift_{norm}",
+                  lambda norm=norm: fast(model, ids, Sift(tau=args.tau, warmup=args.warmup, normalizer=norm), args.new,
+                                         args.prefill_chunk, args.compile))
+                 for norm in args.normalizer]
         for name, fn in (
             ("dense", lambda: fast(model, ids, Full(), args.new, args.prefill_chunk, args.compile)),
-            ("sift", lambda: fast(model, ids, Sift(tau=args.tau, warmup=args.warmup), args.new, args.prefill_chunk, args.compile)),
+            *sifts,
             ("hf", lambda: None if args.skip_hf else hf_generate(model, ids, args.hf_new)),
         ):
             try:
@@ -440,20 +447,24 @@ def main() -> None:
     print()
     print(f"copy bandwidth {report['copy_bw_tb_s']:.2f} TB/s, planted logit std {args.plant_std}, head correlation {args.head_corr}, "
           f"q_scale {args.q_scale}, tau {args.tau}, warmup {args.warmup}, {args.new} new tokens")
-    print(f"{'B x prompt':>11} | {'hf ms':>7} | {'dense ms':>8} | {'sift ms':>7} | {'warmup':>6} | {'fit ms':>6} | {'floor ms':>8} | dense/floor | sift speedup | whole run | sift vs hf | s(post)")
-    for r in rows:
-        hf = r.get("hf") or {}
-        d, s = r["dense"], r["sift"]
-        if "error" in d or "error" in s:
-            print(f"{r['batch']:>3} x {r['prompt']:<5} | error: {d.get('error') or s.get('error')}")
+    for name in ("sift", "sift_anchored"):
+        if not any(name in r for r in rows):
             continue
-        hf_ms = hf.get("decode_ms", math.nan)
-        print(
-            f"{r['batch']:>3} x {r['prompt']:<5} | {hf_ms:7.2f} | {d['steady_ms']:8.2f} | {s['steady_ms']:7.2f} | {s.get('warmup_ms', math.nan):6.2f} | "
-            f"{s.get('fit_ms', math.nan):6.2f} | {r['floor_ms']:8.2f} | {d['steady_ms'] / r['floor_ms']:11.2f} | {d['steady_ms'] / s['steady_ms']:12.3f} | "
-            f"{d['run_ms'] / s['run_ms']:9.3f} | "
-            f"{hf_ms / s['steady_ms']:10.2f} | {s.get('realized_post_warmup', math.nan):.3f}"
-        )
+        print(f"\n{name}")
+        print(f"{'B x prompt':>11} | {'hf ms':>7} | {'dense ms':>8} | {'sift ms':>7} | {'warmup':>6} | {'fit ms':>6} | {'floor ms':>8} | dense/floor | sift speedup | whole run | sift vs hf | s(post)")
+        for r in rows:
+            hf = r.get("hf") or {}
+            d, s = r["dense"], r[name]
+            if "error" in d or "error" in s:
+                print(f"{r['batch']:>3} x {r['prompt']:<5} | error: {d.get('error') or s.get('error')}")
+                continue
+            hf_ms = hf.get("decode_ms", math.nan)
+            print(
+                f"{r['batch']:>3} x {r['prompt']:<5} | {hf_ms:7.2f} | {d['steady_ms']:8.2f} | {s['steady_ms']:7.2f} | {s.get('warmup_ms', math.nan):6.2f} | "
+                f"{s.get('fit_ms', math.nan):6.2f} | {r['floor_ms']:8.2f} | {d['steady_ms'] / r['floor_ms']:11.2f} | {d['steady_ms'] / s['steady_ms']:12.3f} | "
+                f"{d['run_ms'] / s['run_ms']:9.3f} | "
+                f"{hf_ms / s['steady_ms']:10.2f} | {s.get('realized_post_warmup', math.nan):.3f}"
+            )
 
 
 if __name__ == "__main__":
