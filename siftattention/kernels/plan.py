@@ -244,7 +244,9 @@ class DecodeKernels:
 
     def scratch_bytes(self) -> int:
         """Device memory the plan holds (0 for the torch backend)."""
-        return self.workspace.nbytes() if self.backend == "triton" else 0
+        if self.backend != "triton":
+            return 0
+        return self.workspace.nbytes() + sum(run.scratch_bytes() for run in self._onepass.values())
 
     def __repr__(self) -> str:
         return (f"DecodeKernels(backend={self.backend!r}, batch={self.batch}, heads={self.q_heads}/{self.kv_heads}, "
