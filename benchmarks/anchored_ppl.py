@@ -8,12 +8,13 @@ exact normaliser (or are renormalised, as Sift's option does).
 
 In probabilities the rule is a per-row factor on Sift's threshold: with
 ``g_t = -log(sum of p_t over the anchors)`` (the gap), the predicted probability of a key is
-``p * exp(g_t - g_{t-1})``, so a key is kept when ``p > eta * exp(g_{t-1} - g_t)``. The first
-step of a sequence (no previous gap) uses the exact normaliser.
+``p * exp(g_t - g_{t-1})``, so a key is kept when ``p > eta * exp(g_{t-1} - g_t)`` (every
+approximated row has a predecessor: the warmup rows measure the gap too).
 
 This script runs the teacher-forced perplexity of full attention, Sift and the anchored
-variant (both with and without renormalisation) through the library's evaluation, so all of
-them see the same windows and warmup, and reports perplexity against realized sparsity.
+variant (the library's ``Sift(normalizer="anchored")``; both with and without
+renormalisation) through the library's evaluation, so all of them see the same windows and
+warmup, and reports perplexity against realized sparsity.
 
     .venv/bin/python benchmarks/anchored_ppl.py --seq-len 2048 --num-seqs 4 --out anchored_ppl.json
     .venv/bin/python benchmarks/anchored_ppl.py --model gemma3-270m ...  # after make gemma
@@ -24,58 +25,11 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from dataclasses import dataclass
-
-import torch
 
 from siftattention.data import load_corpus, token_windows
 from siftattention.eval.perplexity import evaluate_perplexity
 from siftattention.methods import Full, Sift
-from siftattention.methods.base import Rows, Selection
-from siftattention.methods.sift import SiftState
 from siftattention.models import DEFAULT_MODEL, load_model
-
-
-@dataclass
-class AnchoredState(SiftState):
-    last_gap: torch.Tensor = None  # [B, H] the gap of the last step row seen; NaN before the first
-    factor: torch.Tensor = None  # [B, H, R] exp(g_{t-1} - g_t) of the chunk being selected
-
-
-@dataclass
-class AnchoredSift(Sift):
-    """Sift whose filter uses the anchored prediction of the normaliser (teacher-forced rows only)."""
-
-    first: int = 64
-    last: int = 256
-    name = "sift_anchored"
-
-    def new_state(self, batch: int, heads: int, device: torch.device) -> AnchoredState:
-        base = super().new_state(batch, heads, device)
-        return AnchoredState(**vars(base), last_gap=torch.full((batch, heads), float("nan"), device=device))
-
-    def gaps(self, rows: Rows) -> torch.Tensor:
-        """g = -log(sum of p over each row's anchor keys), [B, H, R]."""
-        rank = rows.valid.cumsum(-1)  # 1-based rank of each valid key in its row
-        n = rows.valid.sum(-1, keepdim=True)
-        anchor = rows.valid & ((rank <= self.first) | (rank > n - self.last))
-        return -torch.log((rows.probs * anchor).sum(-1).clamp_min(1e-30))
-
-    def select(self, rows: Rows, state: AnchoredState) -> Selection:
-        gap = self.gaps(rows)
-        prev = torch.cat([state.last_gap[:, :, None], gap[:, :, :-1]], dim=2)
-        state.factor = torch.exp(torch.nan_to_num(prev - gap, nan=0.0))  # the first step: exact normaliser
-        R = rows.is_step.shape[1]
-        last = (rows.is_step.long() * torch.arange(1, R + 1, device=gap.device)).argmax(dim=1)  # last step row
-        has_step = rows.is_step.any(dim=1)
-        state.last_gap = torch.where(has_step[:, None], gap[torch.arange(gap.shape[0]), :, last], state.last_gap)
-        return super().select(rows, state)
-
-    def row_threshold(self, rows: Rows, state: AnchoredState) -> torch.Tensor:
-        return super().row_threshold(rows, state) * state.factor
-
-    def decode_step(self, *args, **kwargs):
-        raise NotImplementedError("AnchoredSift is a teacher-forced study; it has no decode step")
 
 
 def main() -> None:
@@ -98,8 +52,8 @@ def main() -> None:
             tag = f"tau={tau},warmup={args.warmup}" + (",renormalize=true" if renorm else "")
             methods.append((f"sift:{tag}", Sift(tau=tau, warmup=args.warmup, renormalize=renorm)))
             methods.append((f"sift_anchored:{tag},anchor={args.anchor[0]}+{args.anchor[1]}",
-                            AnchoredSift(tau=tau, warmup=args.warmup, renormalize=renorm,
-                                         first=args.anchor[0], last=args.anchor[1])))
+                            Sift(tau=tau, warmup=args.warmup, renormalize=renorm, normalizer="anchored",
+                                 anchor_first=args.anchor[0], anchor_last=args.anchor[1])))
     done = []
 
     def progress(spec: str, i: int) -> None:

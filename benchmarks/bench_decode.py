@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from siftattention.kernels import DecodeKernels, sift_decode, sift_warmup_decode
 from siftattention.kernels import triton_decode as td
 from siftattention.kernels.plan import PowerLawThreshold
+from siftattention.kernels.torch_ref import anchor_gap_torch
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 # Dry runs of this script's logic on a CPU: BENCH_DEVICE=cpu TRITON_INTERPRET=1 (tiny shapes).
@@ -126,10 +127,9 @@ def ref_out64(q, k, v, eta, b, renormalize=False):
 def oracle_gaps(q, k, first, last):
     """float32 [B, Hq] gap ``logsumexp(s) - logsumexp(s over the anchors)`` of this very step (float64):
     handed to the anchored step it predicts the normaliser exactly, so its kept keys are the exact filter's."""
-    S = k.shape[2]
-    pos = torch.cat([torch.arange(min(first, S)), torch.arange(max(first, S - last), S)]).to(q.device)
-    rows = [ref_scores64(q, k, b) for b in range(q.shape[0])]
-    return torch.stack([torch.logsumexp(s, -1) - torch.logsumexp(s[:, pos], -1) for s in rows]).float()
+    scale = q.shape[-1] ** -0.5
+    return torch.cat([anchor_gap_torch(q[b : b + 1].double(), k[b : b + 1].double(), scale, None, None, first, last)
+                      for b in range(q.shape[0])])
 
 
 def rel_err(a, b):

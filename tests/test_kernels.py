@@ -12,12 +12,12 @@ import json
 import math
 import os
 import shutil
-import subprocess
 import sys
 import zlib
 
 import pytest
 import torch
+from conftest import run_interpreted
 
 from siftattention.kernels import logit_threshold, sift_decode, sift_warmup_decode
 
@@ -807,13 +807,7 @@ def triton_results():
         import triton  # noqa: F401
     except ImportError:
         pytest.skip("triton is not installed: the Triton kernels cannot be checked (pip install triton)")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "TRITON_DEFAULT_FP_FUSION": "1"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    p = subprocess.run([sys.executable, os.path.abspath(__file__), "--triton-worker"],
-                       capture_output=True, text=True, env=env, timeout=600)
-    assert p.returncode == 0, p.stderr[-4000:]
-    return json.loads(p.stdout.strip().splitlines()[-1])
+    return run_interpreted(__file__, "--triton-worker")
 
 
 def test_triton_decode_matches_float64(triton_results):

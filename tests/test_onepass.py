@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
 import sys
 import zlib
 
 import pytest
 import torch
+from conftest import run_interpreted
 
 MODES = ("some", "nan", "all", "top_eta", "top_gap")
 # name, B, Hq, Hkv, S, D, dtype, OnePassConfig overrides, first, last, cache layout, key range
@@ -221,13 +220,7 @@ def _worker() -> dict:
 @pytest.fixture(scope="module")
 def onepass_results():
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "TRITON_DEFAULT_FP_FUSION": "1"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    p = subprocess.run([sys.executable, os.path.abspath(__file__), "--onepass-worker"],
-                       capture_output=True, text=True, env=env, timeout=600)
-    assert p.returncode == 0, p.stderr[-4000:]
-    return json.loads(p.stdout.strip().splitlines()[-1])
+    return run_interpreted(__file__, "--onepass-worker")
 
 
 def check_rows(rows: list[dict], n: int) -> None:

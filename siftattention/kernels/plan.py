@@ -52,6 +52,18 @@ class PowerLawThreshold(NamedTuple):
 BACKENDS = ("auto", "torch", "triton", "cpu")
 
 
+def check_shape(batch: int, q_heads: int, kv_heads: int, max_len: int, head_dim: int, dtype: torch.dtype) -> None:
+    """Raise ValueError naming the first bad shape argument of a decode-step plan."""
+    for name, v in (("batch", batch), ("q_heads", q_heads), ("kv_heads", kv_heads), ("max_len", max_len),
+                    ("head_dim", head_dim)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    if q_heads % kv_heads:
+        raise ValueError(f"q_heads ({q_heads}) must be a multiple of kv_heads ({kv_heads})")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype} not supported; expected one of {DTYPES}")
+
+
 def triton_available() -> bool:
     try:
         import triton  # noqa: F401
@@ -146,14 +158,7 @@ class DecodeKernels:
         torch elsewhere), "torch", "cpu", or "triton" (on CPU only under TRITON_INTERPRET=1). ``config``: a Triton ``KernelConfig``
         (default: the tuned one for the device).
         """
-        for name, v in (("batch", batch), ("q_heads", q_heads), ("kv_heads", kv_heads), ("max_len", max_len),
-                        ("head_dim", head_dim)):
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
-        if q_heads % kv_heads:
-            raise ValueError(f"q_heads ({q_heads}) must be a multiple of kv_heads ({kv_heads})")
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype {dtype} not supported; expected one of {DTYPES}")
+        check_shape(batch, q_heads, kv_heads, max_len, head_dim, dtype)
         if not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
             raise ValueError(f"scale must be a positive finite float, got {scale!r}")
         device = torch.device(device)

@@ -104,6 +104,11 @@ def anchor_mask(valid: torch.Tensor, first: int, last: int) -> torch.Tensor:
     return valid & ((rank <= first) | (rank > n - last))
 
 
+def _anchor_lse(s: torch.Tensor, valid: torch.Tensor, first: int, last: int) -> torch.Tensor:
+    """logsumexp of each row's scores over its anchor keys."""
+    return torch.logsumexp(s.masked_fill(~anchor_mask(valid, first, last), float("-inf")), dim=-1)
+
+
 def anchored_threshold(anchor_lse: torch.Tensor, gap: torch.Tensor, log_eta: torch.Tensor) -> torch.Tensor:
     """The score threshold of the anchored filter: ``anchor_lse + gap + log(eta)``, [B, Hq].
 
@@ -137,7 +142,7 @@ def sift_anchored_decode_torch(
     """
     s, valid = _scores(q, k_cache, scale, seq_lens, starts)
     lse = torch.logsumexp(s, dim=-1)
-    anchor_lse = torch.logsumexp(s.masked_fill(~anchor_mask(valid, first, last), float("-inf")), dim=-1)
+    anchor_lse = _anchor_lse(s, valid, first, last)
     thr = anchored_threshold(anchor_lse, gap.float(), log_eta.float())
     keep = (s > thr[..., None]) & valid
     keep.scatter_(-1, s.argmax(dim=-1, keepdim=True), True)
@@ -154,8 +159,7 @@ def anchor_gap_torch(
 ) -> torch.Tensor:
     """``logsumexp(s) - logsumexp(s over the anchors)`` [B, Hq] float32: the gap an exact step leaves."""
     s, valid = _scores(q, k_cache, scale, seq_lens, starts)
-    anchor_lse = torch.logsumexp(s.masked_fill(~anchor_mask(valid, first, last), float("-inf")), dim=-1)
-    return (torch.logsumexp(s, dim=-1) - anchor_lse).float()
+    return (torch.logsumexp(s, dim=-1) - _anchor_lse(s, valid, first, last)).float()
 
 
 def anchor_positions(

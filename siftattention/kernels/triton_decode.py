@@ -414,6 +414,22 @@ def _split_pos(u, base, stride, CHUNK: tl.constexpr, TILE: tl.constexpr):
 
 
 @triton.jit
+def _group_query(Q, b, hkv, stride_qb, stride_qh, stride_qd, HQ: tl.constexpr, G: tl.constexpr,
+                 BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The query rows of one (batch, KV head)'s group on a BLOCK_G x BLOCK_D tile (padding 0),
+    their (batch, query head) row indices and the head and feature masks."""
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    g_mask = offs_g < G
+    d_mask = offs_d < D
+    h = hkv * G + offs_g
+    row = b.to(tl.int64) * HQ + h
+    q = tl.load(Q + b.to(tl.int64) * stride_qb + h[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    return q, row, g_mask, d_mask
+
+
+@triton.jit
 def _scores_kernel(
     Q, K, Scores, Mst, Lst, Ast, SeqLens, Starts, Arrive,
     stride_qb, stride_qh, stride_qd,
@@ -434,18 +450,10 @@ def _scores_kernel(
     bh = tl.program_id(1)
     b = bh // HKV
     hkv = bh % HKV
-    offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
-    g_mask = offs_g < G
-    d_mask = offs_d < D
-    h = hkv * G + offs_g
-    row = b.to(tl.int64) * HQ + h  # (batch, query head) row index into Scores / stats
-
-    q = tl.load(
-        Q + b.to(tl.int64) * stride_qb + h[:, None] * stride_qh + offs_d[None, :] * stride_qd,
-        mask=g_mask[:, None] & d_mask[None, :], other=0.0,
-    )
+    # row: the (batch, query head) row index into Scores / stats
+    q, row, g_mask, d_mask = _group_query(Q, b, hkv, stride_qb, stride_qh, stride_qd, HQ, G, BLOCK_G, D, BLOCK_D)
     begin, end = _row_range(SeqLens, Starts, b, S_MAX, HAS_SEQ_LENS, HAS_STARTS)
     lo, hi = _split_range(begin, end, split, NUM_SPLITS, BLOCK_N)
 
@@ -780,6 +788,31 @@ def _combine_kernel(
 
 
 @triton.jit
+def _merge_chunk(Part, Mp, Lp, row_c, j0, m, l, tot, ga_mask, offs_d, NUM_SPLITS, BLOCK_D: tl.constexpr,
+                 CH: tl.constexpr):
+    """Fold splits [j0, j0 + CH) of the head rows ``row_c`` into the running (max, sum, output).
+
+    Returns the chunk's [CH, GA] partial indices and mask, the new (m, l, tot), and the
+    rescale of the old sums (alpha) and the splits' weights (w), for callers that merge more
+    per-split sums the same way.
+    """
+    js = j0 + tl.arange(0, CH)
+    pj = row_c[None, :] * NUM_SPLITS + js[:, None]  # [CH, GA]
+    m2 = (js < NUM_SPLITS)[:, None] & ga_mask[None, :]
+    mj = tl.load(Mp + pj, mask=m2, other=float("-inf"), cache_modifier=".cg")
+    lj = tl.load(Lp + pj, mask=m2, other=0.0, cache_modifier=".cg")
+    part = tl.load(Part + pj[:, :, None] * BLOCK_D + offs_d[None, None, :], mask=m2[:, :, None], other=0.0,
+                   cache_modifier=".cg")
+    m_new = tl.maximum(m, tl.max(mj, axis=0))
+    m_ref = tl.where(m_new > float("-inf"), m_new, 0.0)
+    alpha = tl.where(m > float("-inf"), tl.math.exp2(m - m_ref), 0.0)
+    w = tl.where(mj > float("-inf"), tl.math.exp2(mj - m_ref[None, :]), 0.0)  # empty splits weigh 0
+    l = l * alpha + tl.sum(w * lj, axis=0)
+    tot = tot * alpha[:, None] + tl.sum(w[:, :, None] * part, axis=0)
+    return pj, m2, m_new, l, tot, alpha, w
+
+
+@triton.jit
 def _merge_splits(Part, Mp, Lp, Out, b, hkv, stride_ob, stride_oh, stride_od, NUM_SPLITS,
                   HQ: tl.constexpr, G: tl.constexpr, BLOCK_GA: tl.constexpr, BLOCK_D: tl.constexpr,
                   CH: tl.constexpr, d_mask):
@@ -789,25 +822,12 @@ def _merge_splits(Part, Mp, Lp, Out, b, hkv, stride_ob, stride_oh, stride_od, NU
     offs_ga = tl.arange(0, BLOCK_GA)
     ga_mask = offs_ga < G
     row_c = b.to(tl.int64) * HQ + hkv * G + offs_ga
-    offs_c = tl.arange(0, CH)
     m = tl.full([BLOCK_GA], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_GA], tl.float32)
     tot = tl.zeros([BLOCK_GA, BLOCK_D], tl.float32)
     for j0 in range(0, NUM_SPLITS, CH):
-        js = j0 + offs_c
-        pj = row_c[None, :] * NUM_SPLITS + js[:, None]  # [CH, GA]
-        m2 = (js < NUM_SPLITS)[:, None] & ga_mask[None, :]
-        mj = tl.load(Mp + pj, mask=m2, other=float("-inf"), cache_modifier=".cg")
-        lj = tl.load(Lp + pj, mask=m2, other=0.0, cache_modifier=".cg")
-        part = tl.load(Part + pj[:, :, None] * BLOCK_D + offs_d[None, None, :], mask=m2[:, :, None], other=0.0,
-                       cache_modifier=".cg")
-        m_new = tl.maximum(m, tl.max(mj, axis=0))
-        m_ref = tl.where(m_new > float("-inf"), m_new, 0.0)
-        alpha = tl.where(m > float("-inf"), tl.math.exp2(m - m_ref), 0.0)
-        w = tl.where(mj > float("-inf"), tl.math.exp2(mj - m_ref[None, :]), 0.0)  # empty splits weigh 0
-        l = l * alpha + tl.sum(w * lj, axis=0)
-        tot = tot * alpha[:, None] + tl.sum(w[:, :, None] * part, axis=0)
-        m = m_new
+        _, _, m, l, tot, _, _ = _merge_chunk(Part, Mp, Lp, row_c, j0, m, l, tot, ga_mask, offs_d, NUM_SPLITS,
+                                             BLOCK_D, CH)
     l = tl.where(ga_mask, l, 1.0)
     h_c = hkv * G + offs_ga
     tl.store(
@@ -841,17 +861,9 @@ def _dense_kernel(
     bh = tl.program_id(1)
     b = bh // HKV
     hkv = bh % HKV
-    offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
-    g_mask = offs_g < G
-    d_mask = offs_d < D
-    h = hkv * G + offs_g
-    row = b.to(tl.int64) * HQ + h
-    q = tl.load(
-        Q + b.to(tl.int64) * stride_qb + h[:, None] * stride_qh + offs_d[None, :] * stride_qd,
-        mask=g_mask[:, None] & d_mask[None, :], other=0.0,
-    )
+    q, row, g_mask, d_mask = _group_query(Q, b, hkv, stride_qb, stride_qh, stride_qd, HQ, G, BLOCK_G, D, BLOCK_D)
     begin, end = _row_range(SeqLens, Starts, b, S_MAX, HAS_SEQ_LENS, HAS_STARTS)
     lo, hi = _split_range(begin, end, split, NUM_SPLITS, BLOCK_N)
     k_base = K + b.to(tl.int64) * stride_kb + hkv.to(tl.int64) * stride_kh

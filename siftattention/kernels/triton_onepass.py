@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from . import triton_decode as td
-from .plan import PowerLawThreshold
+from .plan import PowerLawThreshold, check_shape
 
 _INT_MAX = tl.constexpr(2147483647)
 _F16_EXACT_TILES = 2048  # float16 lane counts are exact integers up to 2048
@@ -212,12 +212,7 @@ def _onepass_kernel(
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
-    g_mask = offs_g < G
-    d_mask = offs_d < D
-    h = hkv * G + offs_g
-    row = b.to(tl.int64) * HQ + h
-    q = tl.load(Q + b.to(tl.int64) * stride_qb + h[:, None] * stride_qh + offs_d[None, :] * stride_qd,
-                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    q, row, g_mask, d_mask = td._group_query(Q, b, hkv, stride_qb, stride_qh, stride_qd, HQ, G, BLOCK_G, D, BLOCK_D)
     begin, end = td._row_range(SeqLens, Starts, b, S_MAX, HAS_SEQ_LENS, HAS_STARTS)
     k_base = K + b.to(tl.int64) * stride_kb + hkv.to(tl.int64) * stride_kh
     v_base = V + b.to(tl.int64) * stride_vb + hkv.to(tl.int64) * stride_vh
@@ -286,31 +281,18 @@ def _onepass_kernel(
         offs_ga = tl.arange(0, BLOCK_GA)
         ga_mask = offs_ga < G
         row_c = b.to(tl.int64) * HQ + hkv * G + offs_ga
-        offs_c = tl.arange(0, CH)
         m = tl.full([BLOCK_GA], float("-inf"), tl.float32)
         l = tl.zeros([BLOCK_GA], tl.float32)
         tot = tl.zeros([BLOCK_GA, BLOCK_D], tl.float32)
         tot_mass = tl.zeros([BLOCK_GA], tl.float32)
         kept = tl.zeros([BLOCK_GA], tl.int32)
         for j0 in range(0, NUM_SPLITS, CH):
-            js = j0 + offs_c
-            pj = row_c[None, :] * NUM_SPLITS + js[:, None]  # [CH, GA]
-            m2 = (js < NUM_SPLITS)[:, None] & ga_mask[None, :]
-            mj = tl.load(Mp + pj, mask=m2, other=float("-inf"), cache_modifier=".cg")
-            lj = tl.load(Lp + pj, mask=m2, other=0.0, cache_modifier=".cg")
-            part = tl.load(Part + pj[:, :, None] * BLOCK_D + offs_d[None, None, :], mask=m2[:, :, None], other=0.0,
-                           cache_modifier=".cg")
-            m_new = tl.maximum(m, tl.max(mj, axis=0))
-            m_ref = tl.where(m_new > float("-inf"), m_new, 0.0)
-            alpha = tl.where(m > float("-inf"), tl.math.exp2(m - m_ref), 0.0)
-            wj = tl.where(mj > float("-inf"), tl.math.exp2(mj - m_ref[None, :]), 0.0)  # empty splits weigh 0
-            l = l * alpha + tl.sum(wj * lj, axis=0)
-            tot = tot * alpha[:, None] + tl.sum(wj[:, :, None] * part, axis=0)
-            if RENORMALIZE:
+            pj, m2, m, l, tot, alpha, wj = td._merge_chunk(Part, Mp, Lp, row_c, j0, m, l, tot, ga_mask, offs_d,
+                                                           NUM_SPLITS, BLOCK_D, CH)
+            if RENORMALIZE:  # the kept mass merges as the sums do
                 massj = tl.load(Mass + pj, mask=m2, other=0.0, cache_modifier=".cg")
                 tot_mass = tot_mass * alpha + tl.sum(wj * massj, axis=0)
             kept += tl.sum(tl.load(Cnt + pj, mask=m2, other=0, cache_modifier=".cg"), axis=0)
-            m = m_new
         l = tl.where(ga_mask, l, 1.0)
         # This step's gap L - A (natural log), for the next step's threshold.
         a2_c = td._narrow(a2, offs_g, offs_ga)
@@ -351,14 +333,7 @@ class OnePassPlan:
     def __init__(self, batch: int, q_heads: int, kv_heads: int, max_len: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device | str, first: int, last: int,
                  config: OnePassConfig | td.KernelConfig | None = None) -> None:
-        for name, v in (("batch", batch), ("q_heads", q_heads), ("kv_heads", kv_heads), ("max_len", max_len),
-                        ("head_dim", head_dim)):
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
-        if q_heads % kv_heads:
-            raise ValueError(f"q_heads ({q_heads}) must be a multiple of kv_heads ({kv_heads})")
-        if dtype not in (torch.float16, torch.bfloat16, torch.float32):
-            raise ValueError(f"dtype {dtype} not supported; expected float16, bfloat16 or float32")
+        check_shape(batch, q_heads, kv_heads, max_len, head_dim, dtype)
         for name, v in (("first", first), ("last", last)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"{name} must be a non-negative int, got {v!r}")
