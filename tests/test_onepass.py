@@ -169,22 +169,44 @@ def make_case(name, B, Hq, Hkv, S, D, dt, first, last, layout, kind, gen, dev="c
     )
 
 
-def run_case(case, gen, dev="cpu", config=None) -> list[dict]:
-    """Both renormalize settings of one case: errors against float64, the edge modes, a repeat call."""
+# The two-pass form's tiles for these short rows: several splits, compacting and streaming filter splits.
+TWO_PASS_SMALL = dict(block_n1=16, block_n2=16, block_a=32, scan_elems=0, min_split1=16, min_split2=16, block_nd=16,
+                      min_splitd=16, block_nb=16, block_n2_gqa=16, block_nb_gqa=32, interleave2=0)
+
+
+def run_case(case, gen, dev="cpu", config=None, two_pass=False) -> list[dict]:
+    """Both renormalize settings of one case: errors against float64, the edge modes, a repeat call.
+
+    ``two_pass``: the step as ``DecodeKernels.sparse_anchored`` runs it in two passes (the
+    scores kernel, then the filter kernel with the anchored threshold) instead of ``OnePassPlan``.
+    """
+    from siftattention.kernels import DecodeKernels
     from siftattention.kernels.torch_ref import sift_anchored_decode_torch
+    from siftattention.kernels.triton_decode import KernelConfig
     from siftattention.kernels.triton_onepass import OnePassConfig, OnePassPlan
 
     name, B, Hq, Hkv, S, D, dt, over, first, last, layout, kind = case
     c = make_case(name, B, Hq, Hkv, S, D, dt, first, last, layout, kind, gen, dev)
-    plan = OnePassPlan(B, Hq, Hkv, S, D, c["dtype"], dev, first, last, config or OnePassConfig(**over))
     q, k, v, th, gap0, scale, sl, st = c["kernel_args"]
     q64, k64, v64, log_eta, gap_ref, _, sl_ref = c["ref_args"]
     rows = []
     for renorm in (False, True):
+        if two_pass:
+            kern = DecodeKernels.plan(batch=B, q_heads=Hq, kv_heads=Hkv, max_len=S, head_dim=D, dtype=c["dtype"],
+                                      device=dev, scale=scale, renormalize=renorm, backend="triton",
+                                      config=config or KernelConfig(**TWO_PASS_SMALL))
+            step = lambda gap: kern.sparse_anchored(q, k, v, th, gap, sl, st, first, last, onepass=False)  # noqa: E731
+            splits = kern.geometry["ns2"]
+            counters = kern.workspace.sync
+        else:
+            plan = OnePassPlan(B, Hq, Hkv, S, D, c["dtype"], dev, first, last, config or OnePassConfig(**over))
+            step = lambda gap: plan(q, k, v, th, gap, scale, sl, st, renorm)  # noqa: E731
+            splits = plan.geometry["splits"]
+            counters = plan.sem
         results = []
         for _ in range(2):  # the second call from the same gap: counters reset by the kernel
             gap = gap0.clone()
-            out, kept = plan(q, k, v, th, gap, scale, sl, st, renorm)
+            out, kept = step(gap)
             results.append((out.cpu(), kept.cpu(), gap.cpu()))
         out, kept, gap = results[0]
         ref, ref_kept, ref_gap = sift_anchored_decode_torch(q64, k64, v64, log_eta, gap_ref, scale, sl_ref, renorm,
@@ -198,22 +220,23 @@ def run_case(case, gen, dev="cpu", config=None) -> list[dict]:
                 if mode in ("top_eta", "top_gap") and int(kept[b, h]) != 1:
                     edge_bad += 1
         rows.append(dict(
-            case=name, renorm=renorm, dtype=dt, splits=plan.geometry["splits"], block_n=plan.geometry["BLOCK_N"],
+            case=name, renorm=renorm, dtype=dt, splits=splits, two_pass=two_pass,
             err=rel(out, ref), kept_equal=bool(torch.equal(kept, ref_kept)),
             gap_err=float((gap.double() - ref_gap).abs().max()), margin=c["margin"], edge_bad=edge_bad,
             modes=sorted({m for r in c["modes"] for m in r}), out_dtype=str(out.dtype),
             fallback_heads=sum(m in ("top_eta", "top_gap") for r in c["modes"] for m in r),
             repeat_equal=all(torch.equal(x, y) for x, y in zip(results[0], results[1])),
-            sem_zero=int(plan.sem.count_nonzero()) == 0,
+            sem_zero=int(counters.count_nonzero()) == 0,
         ))
     return rows
 
 
 def _worker() -> dict:
     """Runs in a subprocess with TRITON_INTERPRET=1; returns the measurements as JSON."""
-    res = {"rows": []}
+    res = {"rows": [], "two_pass": []}
     for case in CASES:
         res["rows"] += run_case(case, torch.Generator().manual_seed(seed(*case[:7])))
+        res["two_pass"] += run_case(case, torch.Generator().manual_seed(seed(*case[:7])), two_pass=True)
     return res
 
 
@@ -240,10 +263,17 @@ def test_onepass_matches_float64(onepass_results):
     check_rows(onepass_results["rows"], 2 * len(CASES))
 
 
+def test_two_pass_anchored_matches_float64(onepass_results):
+    """The same cases through the two-pass form (scores kernel, filter kernel with the anchored threshold)."""
+    rows = onepass_results["two_pass"]
+    check_rows(rows, 2 * len(CASES))
+    assert all(r["two_pass"] for r in rows)
+
+
 def test_onepass_cases_cover_the_edges(onepass_results):
     """Several splits everywhere, every threshold mode somewhere, the fallback on every tie case head."""
     rows = onepass_results["rows"]
-    assert all(r["splits"] >= 2 for r in rows), rows
+    assert all(r["splits"] >= 2 for r in rows + onepass_results["two_pass"]), rows
     assert set().union(*(r["modes"] for r in rows)) == set(MODES)
     ties = [r for r in rows if r["case"] == "ties"]
     assert ties and all(r["modes"] == ["top_eta", "top_gap"] for r in ties)
@@ -276,9 +306,13 @@ def test_onepass_geometry():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_onepass_matches_float64():
+    from siftattention.kernels.triton_decode import KernelConfig
+
     case = ("cuda", 2, 32, 8, 4099, 128, "float16", {}, 64, 256, "slice", "starts")
     rows = run_case(case, torch.Generator().manual_seed(seed(*case[:7])), dev="cuda")
-    check_rows(rows, 2)
+    rows += run_case(case, torch.Generator().manual_seed(seed(*case[:7])), dev="cuda", two_pass=True,
+                     config=KernelConfig())
+    check_rows(rows, 4)
 
 
 if __name__ == "__main__" and "--onepass-worker" in sys.argv:

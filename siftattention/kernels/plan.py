@@ -124,6 +124,7 @@ class DecodeKernels:
         self.dtype, self.device, self.scale, self.renormalize = dtype, device, scale, renormalize
         self._taus: dict[float, torch.Tensor] = {}  # a float tau as the [B, Hq] tensor the kernels read
         self._onepass: dict[tuple[int, int], object] = {}  # one-pass anchored plans by (first, last) anchors
+        self.anchored_onepass = False  # Triton plans: whether sparse_anchored runs the one-pass kernel
         if backend == "triton":
             from . import triton_decode as td
 
@@ -131,6 +132,7 @@ class DecodeKernels:
             self.config = config or td.config_for(device)
             self.geometry = td.geometry(batch, q_heads, kv_heads, max_len, head_dim, dtype, device, self.config)
             self.workspace = td.Workspace(self.geometry, device)
+            self.anchored_onepass = td.anchored_onepass(self.geometry, self.config)
         if backend == "cpu":
             from . import cpu_decode
 
@@ -183,14 +185,20 @@ class DecodeKernels:
 
     def sparse_anchored(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         threshold: PowerLawThreshold, gap: torch.Tensor, seq_lens: torch.Tensor,
-                        starts: torch.Tensor | None, first: int, last: int) -> tuple[torch.Tensor, torch.Tensor]:
+                        starts: torch.Tensor | None, first: int, last: int,
+                        onepass: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Sift step with the anchored normaliser (``Sift(normalizer="anchored")``): out and kept as ``sparse``.
 
         ``gap`` [B, Hq] float32 holds the previous step's gap (NaN: keep every key) and is
-        overwritten with this step's. On Triton the step is one pass over K and V
-        (``triton_onepass``), planned on first use for each anchor count.
+        overwritten with this step's. On Triton the step is either one pass over K and V
+        (``triton_onepass``, planned on first use for each anchor count) or the two passes
+        of ``sparse`` with the anchored threshold; ``onepass`` None takes the plan's choice
+        (``anchored_onepass``).
         """
         if self.backend == "triton":
+            if not (self.anchored_onepass if onepass is None else onepass):
+                return self._td.sparse(self.geometry, self.workspace, q, k_cache, v_cache, threshold, self.scale,
+                                       seq_lens, starts, self.renormalize, self.config, anchors=(gap, first, last))
             run = self._onepass.get((first, last))
             if run is None:  # planned on the first (eager) call, never inside a captured step
                 from .triton_onepass import OnePassPlan

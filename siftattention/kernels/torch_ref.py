@@ -162,23 +162,6 @@ def anchor_gap_torch(
     return (torch.logsumexp(s, dim=-1) - _anchor_lse(s, valid, first, last)).float()
 
 
-def anchor_positions(
-    max_len: int, seq_lens: torch.Tensor, starts: torch.Tensor | None, first: int, last: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cache positions [B, first + last] of each row's anchor keys and whether each is one.
-
-    Slot j < first is the row's j-th valid key; the others count back from the newest key,
-    and are no anchor where they fall among the first ``first`` (rows shorter than
-    ``first + last``). Positions of non-anchors are clamped into the cache.
-    """
-    j = torch.arange(first + last, device=seq_lens.device)[None, :]
-    begin = (starts if starts is not None else torch.zeros_like(seq_lens)).long()[:, None]
-    end = seq_lens.long()[:, None]
-    pos = torch.where(j < first, begin + j, end - (first + last) + j)
-    is_anchor = torch.where(j < first, pos < end, pos >= begin + first)
-    return pos.clamp(0, max_len - 1), is_anchor
-
-
 def dense_decode_torch(
     q: torch.Tensor,
     k_cache: torch.Tensor,

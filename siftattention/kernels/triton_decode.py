@@ -54,7 +54,6 @@ import triton
 import triton.language as tl
 
 from .plan import PowerLawThreshold
-from .torch_ref import anchor_positions
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -190,6 +189,15 @@ class KernelConfig:
     maxnreg2: int = 0
     maxnregd: int = 0
     maxnregq: int = 0
+    # Sift(normalizer="anchored"): its one-pass kernel (triton_onepass) where it beats these
+    # two passes with the anchored threshold, i.e. grouped-query heads, at least this many
+    # (batch, KV head) rows and caches of at least this many keys; the two passes elsewhere
+    # (H200, s = 0.875, ratio to SDPA one-pass / two-pass: GQA 32/8 B = 8 and 16, S = 32768
+    # 0.815-0.826 / 0.94-0.955; B = 4, S = 32768 0.96 / 0.955; B = 8, S = 16384 0.97 / 0.95;
+    # B <= 2 1.16-1.36 / 0.96-1.08; MHA 32/32 B = 8 0.85-0.98 / 0.67-0.69;
+    # decode_quick_anchored2_h200.json, decode_anchored_forms_h200.json).
+    onepass_min_rows: int = 64
+    onepass_min_len: int = 24576
 
     def __post_init__(self):
         # Tile sizes that become tl.arange lengths: a wrong one would fail deep in the compiler.
@@ -338,6 +346,12 @@ def _plan(
     )
 
 
+def anchored_onepass(geo: dict, cfg: KernelConfig) -> bool:
+    """Whether ``Sift(normalizer="anchored")`` takes its one-pass kernel on this plan (see KernelConfig)."""
+    one = geo["G"] > 1 and geo["B"] * geo["Hkv"] >= cfg.onepass_min_rows and geo["S"] >= cfg.onepass_min_len
+    return one or not geo["fused"]  # the two-pass form writes the gap in the fused combine
+
+
 def geometry(B: int, Hq: int, Hkv: int, S: int, D: int, dtype: torch.dtype, device: torch.device, cfg: KernelConfig) -> dict:
     interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
     sms, hopper, _ = _device_info(device)
@@ -430,8 +444,37 @@ def _group_query(Q, b, hkv, stride_qb, stride_qh, stride_qd, HQ: tl.constexpr, G
 
 
 @triton.jit
+def _stored_run(s_base, lo, hi, g_mask, BLOCK: tl.constexpr):
+    """Max and sum of exp2 over the stored scores of keys [lo, hi) (at most BLOCK keys), one load;
+    (-inf, 0) for an empty run."""
+    o = lo + tl.arange(0, BLOCK)
+    s = tl.load(s_base + o[None, :], mask=g_mask[:, None] & (o < hi)[None, :], other=float("-inf"))
+    m = tl.max(s, axis=1)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    return m, tl.sum(tl.math.exp2(s - m_safe[:, None]), axis=1)
+
+
+@triton.jit
+def _anchor_stats(s_base, first_hi, last_lo, lo, hi, mask, FIRST: tl.constexpr, LAST: tl.constexpr,
+                  BLOCK_F: tl.constexpr, BLOCK_L: tl.constexpr):
+    """(max, sum of exp2) of the stored scores of the anchor keys within [lo, hi): the first
+    run ends at ``first_hi``, the newest starts at ``last_lo``; (-inf, 0) where there is none."""
+    m_a = tl.full(mask.shape, float("-inf"), tl.float32)
+    l_a = tl.zeros(mask.shape, tl.float32)
+    if FIRST > 0:
+        m_a, l_a = _stored_run(s_base, lo, tl.minimum(hi, first_hi), mask, BLOCK_F)
+    if LAST > 0:
+        m2, l2 = _stored_run(s_base, tl.maximum(lo, last_lo), hi, mask, BLOCK_L)
+        m_new = tl.maximum(m_a, m2)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        l_a = l_a * tl.math.exp2(m_a - m_safe) + l2 * tl.math.exp2(m2 - m_safe)
+        m_a = m_new
+    return m_a, l_a
+
+
+@triton.jit
 def _scores_kernel(
-    Q, K, Scores, Mst, Lst, Ast, SeqLens, Starts, Arrive,
+    Q, K, Scores, Mst, Lst, Ast, Mas, Las, SeqLens, Starts, Arrive,
     stride_qb, stride_qh, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     qk_scale, S_MAX, NUM_SPLITS,
@@ -440,8 +483,14 @@ def _scores_kernel(
     HAS_SEQ_LENS: tl.constexpr, HAS_STARTS: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_PREC: tl.constexpr, DOT_UPCAST: tl.constexpr,
     PDL: tl.constexpr, EVICT: tl.constexpr,
+    ANCHORED: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_L: tl.constexpr,
 ):
-    """Pass 1 over one split of one (batch, KV head): scores and split statistics."""
+    """Pass 1 over one split of one (batch, KV head): scores and split statistics.
+
+    ANCHORED: also (max, sum of exp2) over the split's anchor keys (the row's first FIRST
+    and newest LAST valid keys) into Mas / Las, so the filter pass merges them as it merges
+    the split statistics, with no load that waits for the row's length.
+    """
     if PDL:
         # The filter kernel may be dispatched once every program here has started; its
         # programs then wait for their own row's counter (Arrive), not for this grid.
@@ -489,6 +538,15 @@ def _scores_kernel(
     tl.store(Mst + st, m_i, mask=g_mask)
     tl.store(Lst + st, l_i, mask=g_mask)
     tl.store(Ast + st, a_i, mask=g_mask)
+    if ANCHORED:
+        m_a = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l_a = tl.zeros([BLOCK_G], tl.float32)
+        last_lo = tl.maximum(begin + FIRST, end - LAST)
+        if (lo < begin + FIRST) | (hi > last_lo):  # only the splits that hold anchors pay for them
+            tl.debug_barrier()  # the split's scores, stored by every thread, read back below
+            m_a, l_a = _anchor_stats(s_base, begin + FIRST, last_lo, lo, hi, g_mask, FIRST, LAST, BLOCK_F, BLOCK_L)
+        tl.store(Mas + st, m_a, mask=g_mask)
+        tl.store(Las + st, l_a, mask=g_mask)
     if PDL:
         tl.debug_barrier()  # every thread's scores and stats precede the release below
         tl.atomic_add(Arrive + bh, 1, sem="release", scope="gpu")
@@ -549,6 +607,20 @@ def _thresholds(Mst, Lst, Ast, Eta, Beta, LogSteps, row, b, g_mask, NUM_SPLITS1,
 
 
 @triton.jit
+def _anchored_threshold(a2, Gap, LogAlpha, Beta, LogSteps, row, b, g_mask):
+    """The anchored normaliser's log2-domain threshold ``A + gap_prev + log(eta)`` per head
+    (``a2``: the anchors' log2-sum-exp2 A); a NaN gap or log(eta) = -inf keeps every key,
+    log(eta) >= 0 the row maximum only, padded heads nothing. Shared by both anchored steps."""
+    log_eta = tl.load(LogAlpha + row, mask=g_mask, other=0.0) - tl.load(Beta + row, mask=g_mask, other=0.0) * \
+        tl.load(LogSteps + b)
+    gap_prev = tl.load(Gap + row, mask=g_mask, other=0.0)
+    thr = a2 + (gap_prev + log_eta) * 1.4426950408889634
+    thr = tl.where((gap_prev != gap_prev) | (log_eta == float("-inf")), float("-inf"), thr)
+    thr = tl.where(log_eta >= 0.0, float("inf"), thr)
+    return tl.where(g_mask, thr, float("inf"))
+
+
+@triton.jit
 def _narrow(x, offs_from, offs_to):
     """Re-lay a per-head vector onto another head tile, bit-exactly (one term per sum)."""
     sel = offs_to[:, None] == offs_from[None, :]
@@ -570,7 +642,8 @@ def _accumulate(acc, mass, s, idx, jm, thr, amax, m, g_mask, v_ptrs, vmask, DOT_
 
 @triton.jit
 def _filter_kernel(
-    V, Scores, Mst, Lst, Ast, Eta, Beta, LogSteps, SeqLens, Starts, Idx, Wc, Part, Cnt, Mass, Sem, Arrive, Out, Kept,
+    V, Scores, Mst, Lst, Ast, Mas, Las, Eta, Beta, LogSteps, Gap, SeqLens, Starts, Idx, Wc, Part, Cnt, Mass, Sem,
+    Arrive, Out, Kept,
     stride_vb, stride_vh, stride_vs, stride_vd, stride_ob, stride_oh, stride_od,
     S_MAX, NUM_SPLITS1, NUM_SPLITS2,
     HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_GA: tl.constexpr,
@@ -581,8 +654,13 @@ def _filter_kernel(
     KEEP_ALL: tl.constexpr, POWER_LAW: tl.constexpr, COMPACT: tl.constexpr, DENSE_PCT: tl.constexpr,
     STAGES_B: tl.constexpr, FUSED_COMBINE: tl.constexpr, RESET_SYNC: tl.constexpr, RENORMALIZE: tl.constexpr,
     WRITE_KEPT: tl.constexpr, PDL: tl.constexpr, EVICT: tl.constexpr, CHUNK: tl.constexpr,
+    ANCHORED: tl.constexpr,
 ):
     """Pass 2 over one split of one (batch, KV head).
+
+    ANCHORED (``Sift(normalizer="anchored")``; ``Eta`` holds log alpha): the threshold is
+    the anchored normaliser's, from the scores pass's anchor statistics and the previous
+    gap in ``Gap``, which the row's last program (FUSED_COMBINE) overwrites with this step's.
 
     Streaming mode reads the split's scores tile by tile and masks the V loads; its
     loop carries a score load -> dependent V load chain, so at high sparsity it is
@@ -619,9 +697,15 @@ def _filter_kernel(
     d_mask = offs_d < D
     row = b.to(tl.int64) * HQ + hkv * G + offs_g
 
-    m, l, thr, amax = _thresholds(Mst, Lst, Ast, Eta, Beta, LogSteps, row, b, g_mask, NUM_SPLITS1, BLOCK_S1, KEEP_ALL,
-                                  POWER_LAW)
     begin, end_row = _row_range(SeqLens, Starts, b, S_MAX, HAS_SEQ_LENS, HAS_STARTS)
+    if ANCHORED:
+        m, l, amax = _row_stats(Mst, Lst, Ast, row, g_mask, NUM_SPLITS1, BLOCK_S1)
+        m_a, l_a, _, _, _ = _row_ml(Mas, Las, row, g_mask, NUM_SPLITS1, BLOCK_S1)  # the scores pass's anchor stats
+        a2 = m_a + tl.math.log2(l_a)
+        thr = _anchored_threshold(a2, Gap, Eta, Beta, LogSteps, row, b, g_mask)
+    else:
+        m, l, thr, amax = _thresholds(Mst, Lst, Ast, Eta, Beta, LogSteps, row, b, g_mask, NUM_SPLITS1, BLOCK_S1,
+                                      KEEP_ALL, POWER_LAW)
     start, n_virt, base, stride, end = _split_span(begin, end_row, split, NUM_SPLITS2, BLOCK_N, CHUNK)
 
     v_base = V + b.to(tl.int64) * stride_vb + hkv.to(tl.int64) * stride_vh
@@ -755,6 +839,8 @@ def _filter_kernel(
             )
             if WRITE_KEPT:
                 tl.store(Kept + row_c, kept, mask=ga_mask)
+            if ANCHORED:  # every program of the row read the previous gap before it arrived
+                tl.store(Gap + row, (m + tl.math.log2(l) - a2) * 0.6931471805599453, mask=g_mask)
 
 
 @triton.jit
@@ -1215,6 +1301,23 @@ def _qrank(Tau, SeqLens, Starts, row, b, S_MAX, HAS_SEQ_LENS: tl.constexpr, HAS_
 # --------------------------------------------------------------------------- workspace
 
 
+@triton.jit
+def _warmup_gap_kernel(Scores, Mst, Lst, SeqLens, Starts, Gap, S_MAX, NUM_SPLITS,
+                       HQ: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
+                       FIRST: tl.constexpr, LAST: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_L: tl.constexpr,
+                       HAS_SEQ_LENS: tl.constexpr, HAS_STARTS: tl.constexpr):
+    """One batch row's gaps ``L - A`` (natural log) from an exact step's stored scores and split statistics."""
+    b = tl.program_id(0)
+    offs_h = tl.arange(0, BLOCK_H)
+    h_mask = offs_h < HQ
+    row = b.to(tl.int64) * HQ + offs_h
+    m, l, _, _, _ = _row_ml(Mst, Lst, row, h_mask, NUM_SPLITS, BLOCK_S)
+    begin, end = _row_range(SeqLens, Starts, b, S_MAX, HAS_SEQ_LENS, HAS_STARTS)
+    m_a, l_a = _anchor_stats(Scores + row[:, None] * S_MAX, begin + FIRST, tl.maximum(begin + FIRST, end - LAST),
+                             begin, end, h_mask, FIRST, LAST, BLOCK_F, BLOCK_L)
+    tl.store(Gap + row, (m + tl.math.log2(l) - m_a - tl.math.log2(l_a)) * 0.6931471805599453, mask=h_mask)
+
+
 class Workspace:
     """Every buffer the kernels write besides their outputs, for one launch geometry.
 
@@ -1236,6 +1339,8 @@ class Workspace:
             self.mst = torch.empty(B, Hq, geo["ns1"], device=device, dtype=f32)
             self.lst = torch.empty(B, Hq, geo["ns1"], device=device, dtype=f32)
             self.ast = torch.empty(B, Hq, geo["ns1"], device=device, dtype=i32)
+            self.mas = torch.empty(B, Hq, geo["ns1"], device=device, dtype=f32)  # anchored: anchor statistics
+            self.las = torch.empty(B, Hq, geo["ns1"], device=device, dtype=f32)
             self.idx = torch.empty(B * Hkv, S, device=device, dtype=i32)
             self.wc = torch.empty(B * Hq, S, device=device, dtype=geo["dtype"])  # compacted kept weights
             self.part = torch.empty(B, Hq, geo["ns2"], geo["BLOCK_D"], device=device, dtype=f32)
@@ -1279,12 +1384,16 @@ def stream_counters(dev: torch.device, rows: int) -> torch.Tensor:
 # --------------------------------------------------------------------------- launchers
 
 
-def scores_pass(geo: dict, ws: Workspace, q, k_cache, scale: float, seq_lens, starts, cfg: KernelConfig, pdl: bool) -> None:
-    """Pass 1: float32 log2-domain scores and per-split softmax statistics into ``ws``."""
+def scores_pass(geo: dict, ws: Workspace, q, k_cache, scale: float, seq_lens, starts, cfg: KernelConfig, pdl: bool,
+                anchors: tuple[int, int] | None = None) -> None:
+    """Pass 1: float32 log2-domain scores and per-split softmax statistics into ``ws``
+    (with ``anchors`` (first, last), the anchor keys' statistics too)."""
+    first, last = anchors or (0, 0)
     B, Hq, Hkv, S = geo["B"], geo["Hq"], geo["Hkv"], geo["S"]
     has_sl, has_st = seq_lens is not None, starts is not None
     _scores_kernel[(geo["ns1"], B * Hkv)](
-        q, k_cache, ws.scores, ws.mst, ws.lst, ws.ast, seq_lens if has_sl else ws.ast, starts if has_st else ws.ast,
+        q, k_cache, ws.scores, ws.mst, ws.lst, ws.ast, ws.mas, ws.las,
+        seq_lens if has_sl else ws.ast, starts if has_st else ws.ast,
         ws.arrive,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
@@ -1292,7 +1401,8 @@ def scores_pass(geo: dict, ws: Workspace, q, k_cache, scale: float, seq_lens, st
         HQ=Hq, HKV=Hkv, G=geo["G"], BLOCK_G=geo["BLOCK_G"], D=geo["D"], BLOCK_D=geo["BLOCK_D"],
         BLOCK_N=geo["BLOCK_N1"], HAS_SEQ_LENS=has_sl, HAS_STARTS=has_st,
         USE_DOT=geo["use_dot"], DOT_PREC=geo["prec"], DOT_UPCAST=geo["upcast"],
-        PDL=pdl, EVICT=cfg.evict, num_warps=cfg.warps1, num_stages=cfg.stages1, **geo["regs1"],
+        PDL=pdl, EVICT=cfg.evict, ANCHORED=anchors is not None, FIRST=first, LAST=last, BLOCK_F=_pow2(first),
+        BLOCK_L=_pow2(last), num_warps=cfg.warps1, num_stages=cfg.stages1, **geo["regs1"],
     )
 
 
@@ -1320,11 +1430,13 @@ def quantile_pass(geo: dict, ws: Workspace, tau: torch.Tensor, seq_lens, starts,
 
 def filter_pass(
     geo: dict, ws: Workspace, v_cache, eta, seq_lens, starts, cfg: KernelConfig, out_dtype: torch.dtype,
-    renormalize: bool, want_kept: bool, pdl: bool,
+    renormalize: bool, want_kept: bool, pdl: bool, anchors: tuple[torch.Tensor, int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Pass 2: threshold, compaction, V gather and (fused) the output; ``eta`` None keeps every key.
 
     ``eta``: [B, Hq] probabilities, or a ``PowerLawThreshold`` the kernel evaluates itself.
+    ``anchors`` (gap, first, last): the anchored normaliser's threshold (``eta`` a
+    ``PowerLawThreshold``); the gap [B, Hq] float32 is overwritten with this step's.
     """
     B, Hq, Hkv, S, D = geo["B"], geo["Hq"], geo["Hkv"], geo["S"], geo["D"]
     power_law = isinstance(eta, PowerLawThreshold)
@@ -1338,8 +1450,9 @@ def filter_pass(
     out = torch.empty(B, Hq, D, device=dev, dtype=out_dtype)
     kept = torch.empty(B, Hq, device=dev, dtype=torch.int32) if want_kept else None
     has_sl, has_st = seq_lens is not None, starts is not None
+    gap = anchors[0] if anchors is not None else ws.mst
     _filter_kernel[(geo["ns2"], B * Hkv)](
-        v_cache, ws.scores, ws.mst, ws.lst, ws.ast, eta_arg, beta_arg, log_steps_arg,
+        v_cache, ws.scores, ws.mst, ws.lst, ws.ast, ws.mas, ws.las, eta_arg, beta_arg, log_steps_arg, gap,
         seq_lens if has_sl else ws.ast, starts if has_st else ws.ast,
         ws.idx, ws.wc, ws.part, ws.cnt, ws.mass, ws.sem, ws.arrive,
         out, kept if kept is not None else ws.cnt,
@@ -1353,8 +1466,8 @@ def filter_pass(
         USE_DOT=geo["use_dot"], DOT_PREC=geo["prec"], DOT_UPCAST=geo["upcast"], KEEP_ALL=eta is None,
         POWER_LAW=power_law, COMPACT=compact, DENSE_PCT=cfg.dense_pct, STAGES_B=geo["STAGES_B"],
         FUSED_COMBINE=fused, RESET_SYNC=fused, RENORMALIZE=renormalize, WRITE_KEPT=want_kept,
-        PDL=pdl, EVICT=cfg.evict, CHUNK=geo["CHUNK2"], num_warps=cfg.warps2, num_stages=cfg.stages2,
-        **geo["regs2"], **({"launch_pdl": True} if pdl else {}),
+        PDL=pdl, EVICT=cfg.evict, CHUNK=geo["CHUNK2"], ANCHORED=anchors is not None,
+        num_warps=cfg.warps2, num_stages=cfg.stages2, **geo["regs2"], **({"launch_pdl": True} if pdl else {}),
     )
     if not fused:
         _combine_kernel[(B * Hq,)](
@@ -1377,11 +1490,14 @@ def _filter_or_reset(geo: dict, ws: Workspace, *args, **kwargs):
 
 
 def sparse(geo: dict, ws: Workspace, q, k_cache, v_cache, eta, scale: float, seq_lens, starts, renormalize: bool,
-           cfg: KernelConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sift decode step on prepared inputs: (out, kept)."""
+           cfg: KernelConfig, anchors: tuple[torch.Tensor, int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sift decode step on prepared inputs: (out, kept). ``anchors``: see ``filter_pass``."""
+    if anchors is not None and not (geo["fused"] and isinstance(eta, PowerLawThreshold)):
+        raise ValueError("the anchored two-pass step needs fused_combine and a PowerLawThreshold")
     pdl = geo["pdl"]
-    scores_pass(geo, ws, q, k_cache, scale, seq_lens, starts, cfg, pdl)
-    out, kept = _filter_or_reset(geo, ws, v_cache, eta, seq_lens, starts, cfg, q.dtype, renormalize, True, pdl)
+    scores_pass(geo, ws, q, k_cache, scale, seq_lens, starts, cfg, pdl, None if anchors is None else anchors[1:])
+    out, kept = _filter_or_reset(geo, ws, v_cache, eta, seq_lens, starts, cfg, q.dtype, renormalize, True, pdl,
+                                 anchors)
     return out, kept
 
 
@@ -1404,17 +1520,18 @@ def warmup(geo: dict, ws: Workspace, q, k_cache, v_cache, tau, scale: float, seq
 
 def warmup_gap(geo: dict, ws: Workspace, seq_lens, starts, first: int, last: int, cfg: KernelConfig) -> torch.Tensor:
     """The anchored normaliser's gap [B, Hq] of the warmup step just run on ``ws``: its exact
-    log-sum-exp (from the split statistics) minus that of its anchor keys (gathered from the
-    stored scores), in natural log. A few small torch launches; warmup steps only."""
-    mst, lst = (ws.dm, ws.dl) if cfg.warmup_dense else (ws.mst, ws.lst)
-    m = mst.amax(dim=-1, keepdim=True)
-    lse2 = m[..., 0] + torch.log2((lst * torch.exp2(mst - m)).sum(dim=-1))
-    B, Hq, S = ws.scores.shape
-    if seq_lens is None:
-        seq_lens = torch.full((B,), S, dtype=torch.int32, device=ws.scores.device)
-    pos, is_anchor = anchor_positions(S, seq_lens, starts, first, last)
-    anchored = ws.scores.gather(2, pos[:, None, :].expand(B, Hq, -1)).masked_fill(~is_anchor[:, None, :], float("-inf"))
-    return lse2 * LN2 - torch.logsumexp(anchored * LN2, dim=-1)
+    log-sum-exp (from the split statistics) minus that of its anchor keys (read from the
+    stored scores), in natural log. One small launch."""
+    B, Hq = geo["B"], geo["Hq"]
+    mst, lst, ns = (ws.dm, ws.dl, geo["nsd"]) if cfg.warmup_dense else (ws.mst, ws.lst, geo["ns1"])
+    gap = torch.empty(B, Hq, device=ws.scores.device, dtype=torch.float32)
+    has_sl, has_st = seq_lens is not None, starts is not None
+    _warmup_gap_kernel[(B,)](
+        ws.scores, mst, lst, seq_lens if has_sl else gap, starts if has_st else gap, gap, geo["S"], ns,
+        HQ=Hq, BLOCK_H=_pow2(Hq), BLOCK_S=_pow2(ns), FIRST=first, LAST=last, BLOCK_F=_pow2(first),
+        BLOCK_L=_pow2(last), HAS_SEQ_LENS=has_sl, HAS_STARTS=has_st, num_warps=4,
+    )
+    return gap
 
 
 def dense(geo: dict, ws: Workspace, q, k_cache, v_cache, scale: float, seq_lens, starts, cfg: KernelConfig,

@@ -228,15 +228,9 @@ def _onepass_kernel(
                             offs_d, d_mask, qk_scale, BLOCK_N, DOT_PREC, DOT_UPCAST)
     a2 = m_a + tl.math.log2(l_a)  # log2-domain anchor log-sum-exp
 
-    # Threshold in the log2 domain. Every program reads the previous gap before its arrival
-    # below; only the last one to arrive overwrites it.
-    log_eta = tl.load(LogAlpha + row, mask=g_mask, other=0.0) - tl.load(Beta + row, mask=g_mask, other=0.0) * \
-        tl.load(LogSteps + b)
-    gap_prev = tl.load(Gap + row, mask=g_mask, other=0.0)
-    thr = a2 + (gap_prev + log_eta) * 1.4426950408889634
-    thr = tl.where((gap_prev != gap_prev) | (log_eta == float("-inf")), float("-inf"), thr)
-    thr = tl.where(log_eta >= 0.0, float("inf"), thr)
-    thr = tl.where(g_mask, thr, float("inf"))  # padded heads keep nothing
+    # Every program reads the previous gap before its arrival below; only the last one to
+    # arrive overwrites it.
+    thr = td._anchored_threshold(a2, Gap, LogAlpha, Beta, LogSteps, row, b, g_mask)
 
     lo, hi = td._split_range(begin, end, split, NUM_SPLITS, BLOCK_N)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
