@@ -567,21 +567,31 @@ def run_sweep(args, copy_bps):
             sift_sets = [s + (e,) for s, e in zip(sets, etas)]
             t_sift_g = bench_graph(sift_fn, sift_sets)
             anchored = {}
-            if args.anchored:  # Sift(normalizer="anchored")'s one-pass step, its normaliser predicted exactly
+            if args.anchored:  # Sift(normalizer="anchored")'s step in both forms, its normaliser predicted exactly
                 first, last = args.anchored
                 zeros = torch.zeros(B, device=DEV)
                 a_sets = [s + (PowerLawThreshold(torch.log(e), torch.zeros_like(e), zeros), oracle_gaps(s[0], s[1], first, last))
                           for s, e in zip(sets, etas)]
-                a_fn = lambda q, k, v, t, g: kern.sparse_anchored(q, k, v, t, g, sl, None, first, last)  # noqa: E731
-                for si, a_set in enumerate(a_sets):
-                    out, kept = a_fn(*a_set)
-                    assert torch.equal(kept, th[si][1]), f"anchored kept mismatch {B,Hq,Hkv,S,dtn,sp} set {si}"
-                    if si == 0:
-                        a_err = max(rel_err(out[b], ref_out64(*a_set[:3], etas[0], b)) for b in range(B))
-                        assert a_err < 1e-2, a_err
-                t_anch = bench_graph(a_fn, a_sets)
-                anchored = dict(anchored_graph_ms=t_anch, anchored_vs_sdpa_graph=t_anch / t_sdpa_g, anchored_out_err=a_err,
-                                anchored_vs_floor=t_anch * 1e-3 / (dense / 2 * (1 + union) / copy_bps), anchors=[first, last])
+                anchored = dict(anchors=[first, last], anchored_form="one-pass" if kern.anchored_onepass else "two-pass")
+                for form, one in (("1", True), ("2", False)):
+                    a_fn = lambda q, k, v, t, g: kern.sparse_anchored(q, k, v, t, g, sl, None, first, last, one)  # noqa: E731
+                    a_err = 0.0
+                    for si, a_set in enumerate(a_sets):
+                        g0 = a_set[4].clone()
+                        out, kept = a_fn(*a_set[:4], g0)
+                        assert torch.equal(kept, th[si][1]), f"anchored{form} kept mismatch {B,Hq,Hkv,S,dtn,sp} set {si}"
+                        if si == 0:
+                            a_err = max(rel_err(out[b], ref_out64(*a_set[:3], etas[0], b)) for b in range(B))
+                            assert a_err < 1e-2, a_err
+                            g_err = float((g0 - a_set[4]).abs().max())  # this step's gap: the oracle's own
+                            assert g_err < 1e-3, g_err
+                    t_anch = bench_graph(a_fn, a_sets)
+                    anchored.update({f"anchored{form}_graph_ms": t_anch, f"anchored{form}_vs_sdpa_graph": t_anch / t_sdpa_g,
+                                     f"anchored{form}_out_err": a_err,
+                                     f"anchored{form}_vs_floor": t_anch * 1e-3 / (dense / 2 * (1 + union) / copy_bps)})
+                pick = "1" if kern.anchored_onepass else "2"  # what the library runs on this plan
+                anchored.update({key.replace(pick, "", 1): anchored[key] for key in list(anchored)
+                                 if key.startswith(f"anchored{pick}_")})
             kk = max(1, round((1 - sp) * S))
             topk_fn = lambda q, k, v: topk_decode(q, k, v, kk)  # noqa: E731
             t_topk_g = bench_graph(topk_fn, sets)
@@ -610,7 +620,8 @@ def run_sweep(args, copy_bps):
                 f"({row['sdpa_vs_floor']:.2f}x floor) sift={t_sift_g:.4f} ({row['sift_vs_sdpa_graph']:.3f}x sdpa, "
                 f"{row['sift_vs_floor']:.2f}x floor) topk/sift={row['topk_over_sift_graph']:.2f} dense={row['dense_vs_sdpa_graph']:.3f}x "
                 f"warm={row['warmup_vs_sdpa_graph']:.3f}x err={err:.1e}"
-                + (f" anchored={row['anchored_vs_sdpa_graph']:.3f}x" if anchored else ""),
+                + (f" anchored={row['anchored_vs_sdpa_graph']:.3f}x ({row['anchored_form']}; one-pass "
+                   f"{row['anchored1_vs_sdpa_graph']:.3f}x, two-pass {row['anchored2_vs_sdpa_graph']:.3f}x)" if anchored else ""),
                 flush=True,
             )
         sets = kern = None  # free the inputs before the next shape
@@ -626,8 +637,9 @@ def print_table(rows):
     """GPU-time ratios over CUDA-graph replays, with each side's byte-floor ratio."""
     anchored = any("anchored_vs_sdpa_graph" in r for r in rows)
     print("\n| B | Hq/Hkv | S | dtype | corr | sparsity | V rows read | SDPA ms | SDPA / floor | sift / SDPA | sift / floor "
-          "| top-k / sift | dense / SDPA | warmup / SDPA |" + (" anchored / SDPA | anchored / floor |" if anchored else ""))
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if anchored else ""))
+          "| top-k / sift | dense / SDPA | warmup / SDPA |"
+          + (" anchored / SDPA | anchored / floor | one-pass / SDPA | two-pass / SDPA |" if anchored else ""))
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|---|---|" if anchored else ""))
     for r in rows:
         if "sdpa_vs_floor" not in r:  # an older result file (no byte floors)
             continue
@@ -635,8 +647,12 @@ def print_table(rows):
             f"| {r['B']} | {r['Hq']}/{r['Hkv']} | {r['S']} | {r['dtype']} | {r.get('group_corr', 0.0)} | {r['realized']:.3f} | "
             f"{r['v_rows_read']:.3f} | {r['sdpa_graph_ms']:.4f} | {r['sdpa_vs_floor']:.2f} | {r['sift_vs_sdpa_graph']:.3f} | "
             f"{r['sift_vs_floor']:.2f} | {r['topk_over_sift_graph']:.2f} | {r['dense_vs_sdpa_graph']:.3f} | {r['warmup_vs_sdpa_graph']:.3f} |"
-            + (f" {r['anchored_vs_sdpa_graph']:.3f} | {r['anchored_vs_floor']:.2f} |" if "anchored_vs_sdpa_graph" in r
-               else " - | - |" if anchored else "")
+            + (f" {r['anchored_vs_sdpa_graph']:.3f} | {r['anchored_vs_floor']:.2f} | "
+               f"{r.get('anchored1_vs_sdpa_graph', r['anchored_vs_sdpa_graph']):.3f} | "
+               f"{r['anchored2_vs_sdpa_graph']:.3f} |" if "anchored2_vs_sdpa_graph" in r
+               else f" {r['anchored_vs_sdpa_graph']:.3f} | {r['anchored_vs_floor']:.2f} | "
+                    f"{r['anchored_vs_sdpa_graph']:.3f} | - |" if "anchored_vs_sdpa_graph" in r  # one-pass only
+               else " - | - | - | - |" if anchored else "")
         )
 
 
@@ -658,7 +674,7 @@ TARGETS = [
 ]
 
 
-# The same targets for Sift(normalizer="anchored")'s one-pass step, where a sweep timed it (--anchored).
+# The same targets for Sift(normalizer="anchored")'s step (the form its plan picks), where a sweep timed it (--anchored).
 TARGETS += [(label.replace("sift", "anchored sift", 1), sel, key.replace("sift", "anchored"), sp, bound, upper)
             for label, sel, key, sp, bound, upper in TARGETS if key in ("sift_vs_sdpa_graph", "sift_vs_floor")]
 
@@ -829,7 +845,7 @@ def main():
     ap.add_argument("--eager", action="store_true", help="also time Python-launched calls and host time per call")
     ap.add_argument("--shapes", nargs="*", help="--tune-grid shapes as B,Hq,Hkv,S")
     ap.add_argument("--anchored", type=int, nargs="*", metavar="N",
-                    help="also time Sift(normalizer='anchored')'s one-pass step (anchors FIRST LAST, default 64 256)")
+                    help="also time Sift(normalizer='anchored')'s step, one-pass and two-pass (anchors FIRST LAST, default 64 256)")
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--config", help='KernelConfig overrides for every mode as JSON, e.g. {"tma1": true}')
     ap.add_argument("--tune", action="store_true")
