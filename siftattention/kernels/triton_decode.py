@@ -700,8 +700,8 @@ def _filter_kernel(
     begin, end_row = _row_range(SeqLens, Starts, b, S_MAX, HAS_SEQ_LENS, HAS_STARTS)
     if ANCHORED:
         m, l, amax = _row_stats(Mst, Lst, Ast, row, g_mask, NUM_SPLITS1, BLOCK_S1)
-        m_a, l_a, _, _, _ = _row_ml(Mas, Las, row, g_mask, NUM_SPLITS1, BLOCK_S1)  # the scores pass's anchor stats
-        a2 = m_a + tl.math.log2(l_a)
+        anc_m, anc_l, _, _, _ = _row_ml(Mas, Las, row, g_mask, NUM_SPLITS1, BLOCK_S1)  # the scores pass's anchor stats
+        a2 = anc_m + tl.math.log2(anc_l)
         thr = _anchored_threshold(a2, Gap, Eta, Beta, LogSteps, row, b, g_mask)
     else:
         m, l, thr, amax = _thresholds(Mst, Lst, Ast, Eta, Beta, LogSteps, row, b, g_mask, NUM_SPLITS1, BLOCK_S1,
