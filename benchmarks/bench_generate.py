@@ -380,7 +380,7 @@ def main() -> None:
     ap.add_argument("--head-corr", type=float, default=0.0, help="correlation of the planted logits between the query heads of a KV group")
     ap.add_argument("--q-scale", type=float, default=0.1, help="scale of the random query weights (the planted dims excepted)")
     ap.add_argument("--normalizer", nargs="+", default=["exact"], choices=["exact", "anchored"],
-                    help="Sift's normaliser(s): a sift row per choice (anchored: the one-pass step, row 'sift_anchored')")
+                    help="Sift's normaliser(s): a sift row per choice (anchored: row 'sift_anchored')")
     ap.add_argument("--prefill-chunk", type=int, default=8192)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--check", action="store_true")

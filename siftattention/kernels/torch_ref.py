@@ -89,12 +89,16 @@ def sift_decode_torch(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     s, valid = _scores(q, k_cache, scale, seq_lens, starts)
     p = _probs(s)
-    keep = keep_mask(p, s, valid, eta)
+    return _kept_output(p, keep_mask(p, s, valid, eta), v_cache, renormalize, q.dtype)
+
+
+def _kept_output(p: torch.Tensor, keep: torch.Tensor, v_cache: torch.Tensor, renormalize: bool,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Output of the kept keys' probabilities (renormalised to their own mass if asked) and the kept counts."""
     w = torch.where(keep, p, torch.zeros((), dtype=p.dtype, device=p.device))
     if renormalize:
         w = w / w.sum(dim=-1, keepdim=True)
-    out = _apply_v(w, v_cache)
-    return out.to(q.dtype), keep.sum(dim=-1, dtype=torch.int32)
+    return _apply_v(w, v_cache).to(dtype), keep.sum(dim=-1, dtype=torch.int32)
 
 
 def anchor_mask(valid: torch.Tensor, first: int, last: int) -> torch.Tensor:
@@ -146,11 +150,8 @@ def sift_anchored_decode_torch(
     thr = anchored_threshold(anchor_lse, gap.float(), log_eta.float())
     keep = (s > thr[..., None]) & valid
     keep.scatter_(-1, s.argmax(dim=-1, keepdim=True), True)
-    w = torch.where(keep, torch.exp(s - lse[..., None]), torch.zeros((), dtype=s.dtype, device=s.device))
-    if renormalize:
-        w = w / w.sum(dim=-1, keepdim=True)
-    out = _apply_v(w, v_cache)
-    return out.to(q.dtype), keep.sum(dim=-1, dtype=torch.int32), lse - anchor_lse
+    out, kept = _kept_output(torch.exp(s - lse[..., None]), keep, v_cache, renormalize, q.dtype)
+    return out, kept, lse - anchor_lse
 
 
 def anchor_gap_torch(

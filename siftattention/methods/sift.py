@@ -130,7 +130,7 @@ class Sift(Method):
         approx = rows.is_step & ~warm & state.fitted[:, None]
         if not bool(approx.any()):
             return Selection(keep=None, approx=approx)
-        eta = self.row_threshold(rows, state)
+        eta = predict_log(state.log_alpha[:, :, None], state.beta[:, :, None], rows.steps[:, None, :].float())  # [B, H, R]
         if factor is not None:
             eta = eta * factor
         keep = keep_row_max(rows.probs, rows.probs > eta.unsqueeze(-1), rows.valid)
@@ -153,10 +153,6 @@ class Sift(Method):
         """g = -log(sum of p over each row's anchor keys), [B, H, R]: logsumexp minus the anchors' logsumexp."""
         anchor = anchor_mask(rows.valid, self.anchor_first, self.anchor_last)
         return -torch.log((rows.probs * anchor).sum(-1))
-
-    def row_threshold(self, rows: Rows, state: SiftState) -> torch.Tensor:
-        """eta [B, H, R] of each row of a chunk: the fitted power law at the row's step."""
-        return predict_log(state.log_alpha[:, :, None], state.beta[:, :, None], rows.steps[:, None, :].float())
 
     def decode_phase(self, step: int) -> str:
         """'warmup' for the first ``warmup`` decoded tokens, then 'sparse'."""
