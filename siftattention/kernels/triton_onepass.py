@@ -66,9 +66,6 @@ class OnePassConfig:
     # S = 16384: 168 0.967, 160 0.992).
     maxnreg: int = -1
     evict: bool = True  # K and V tiles loaded evict-first
-    # Fold each tile's kept V rows into the output one iteration late, so their masked load
-    # (whose mask needs the tile's scores) is in flight while the next K tile is scored.
-    skew: bool = False
     dense: td.KernelConfig | None = None  # the dense kernel's config (None: td.config_for)
 
     def __post_init__(self):
@@ -118,7 +115,7 @@ def onepass_geometry(batch: int, q_heads: int, kv_heads: int, max_len: int, head
         BLOCK_N=block_n, BLOCK_G=max(16, block_ga), BLOCK_GA=block_ga, BLOCK_D=block_d,
         # Splits per load in the combine: a [CH, G, D] float32 tile of about 4096 elements.
         CH=max(1, min(td._pow2(splits), 4096 // (block_ga * block_d))),
-        prec=dgeo["prec"], upcast=dgeo["upcast"], warps=cfg.warps, stages=cfg.stages, skew=cfg.skew,
+        prec=dgeo["prec"], upcast=dgeo["upcast"], warps=cfg.warps, stages=cfg.stages,
         regs=td._regcap(_register_cap(cfg.maxnreg, dtype, td._cdiv(max_len, splits)), interp),
     )
 
@@ -206,7 +203,6 @@ def _onepass_kernel(
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CH: tl.constexpr,
     FIRST: tl.constexpr, LAST: tl.constexpr, HAS_SEQ_LENS: tl.constexpr, HAS_STARTS: tl.constexpr,
     DOT_PREC: tl.constexpr, DOT_UPCAST: tl.constexpr, EVICT: tl.constexpr, RENORMALIZE: tl.constexpr,
-    SKEW: tl.constexpr,
 ):
     """One split of one (batch, KV head), every query head of the group against one read of each K tile."""
     split = tl.program_id(0)
@@ -243,36 +239,26 @@ def _onepass_kernel(
     if RENORMALIZE:
         mass = tl.zeros([BLOCK_G], tl.float32)
     cnt = tl.zeros([BLOCK_G, BLOCK_N], tl.float16)  # per-lane kept counts, exact up to 2048 tiles
-    if SKEW:  # the previous tile's weights and V rows, folded in one iteration late
-        w_prev = tl.zeros([BLOCK_G, BLOCK_N], tl.float32)
-        v_prev = tl.zeros([BLOCK_N, BLOCK_D], V.dtype.element_ty)
     for n0 in range(lo, hi, BLOCK_N):
         offs = n0 + offs_n
         n_mask = offs < hi
         s = _tile_scores(q, k_base, offs, n_mask, stride_ks, stride_kd, offs_d, d_mask, qk_scale,
                          DOT_PREC, DOT_UPCAST, EVICT)
         keep = s > thr[:, None]
-        rows_kept = tl.max(keep.to(tl.int32), axis=0) > 0
-        v = tl.load(v_base + offs[:, None].to(tl.int64) * stride_vs + offs_d[None, :] * stride_vd,
-                    mask=(n_mask & rows_kept)[:, None] & d_mask[None, :], other=0.0,
-                    eviction_policy="evict_first" if EVICT else "")
         cnt += keep.to(tl.float16)
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.math.exp2(m_i - m_new)
         p = tl.math.exp2(s - m_new[:, None])
         w = tl.where(keep, p, 0.0)
-        if SKEW:  # w_prev is in units of m_i: add it before rescaling; this tile's V waits a loop
-            acc = (acc + td._dot(w_prev.to(v_prev.dtype), v_prev, DOT_PREC, DOT_UPCAST)) * alpha[:, None]
-            w_prev = w
-            v_prev = v
-        else:
-            acc = acc * alpha[:, None] + td._dot(w.to(v.dtype), v, DOT_PREC, DOT_UPCAST)
+        rows_kept = tl.max(keep.to(tl.int32), axis=0) > 0
+        v = tl.load(v_base + offs[:, None].to(tl.int64) * stride_vs + offs_d[None, :] * stride_vd,
+                    mask=(n_mask & rows_kept)[:, None] & d_mask[None, :], other=0.0,
+                    eviction_policy="evict_first" if EVICT else "")
+        acc = acc * alpha[:, None] + td._dot(w.to(v.dtype), v, DOT_PREC, DOT_UPCAST)
         if RENORMALIZE:
             mass = mass * alpha + tl.sum(w, axis=1)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
-    if SKEW:
-        acc += td._dot(w_prev.to(v_prev.dtype), v_prev, DOT_PREC, DOT_UPCAST)
 
     pst = row * NUM_SPLITS + split
     tl.store(Part + pst[:, None] * BLOCK_D + offs_d[None, :], acc, mask=g_mask[:, None])
@@ -365,7 +351,7 @@ class OnePassPlan:
         self._meta = dict(
             HQ=q_heads, HKV=kv_heads, G=geo["G"], BLOCK_G=geo["BLOCK_G"], BLOCK_GA=geo["BLOCK_GA"], D=head_dim,
             BLOCK_D=geo["BLOCK_D"], BLOCK_N=geo["BLOCK_N"], CH=geo["CH"], FIRST=first, LAST=last,
-            DOT_PREC=geo["prec"], DOT_UPCAST=geo["upcast"], EVICT=self.config.evict, SKEW=geo["skew"],
+            DOT_PREC=geo["prec"], DOT_UPCAST=geo["upcast"], EVICT=self.config.evict,
             num_warps=geo["warps"], num_stages=geo["stages"], **geo["regs"],
         )
 
