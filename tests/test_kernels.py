@@ -545,6 +545,52 @@ def test_cpu_backend_quantile_threshold_drops_the_quantile_key():
         assert torch.equal(kept, torch.full((B, Hq), S - 1 - round(tau * (S - 1)), dtype=torch.int32))
 
 
+@needs_cpu_kernel
+@pytest.mark.parametrize("case", CPU_CASES, ids=[f"G{c[1] // c[2]}-S{c[3]}-D{c[4]}" for c in CPU_CASES])
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_cpu_backend_anchored_matches_float64(case, renormalize):
+    """Sift with the anchored normaliser, fused CPU kernel against the float64 torch reference: ragged
+    rows, each head's score threshold A + gap + log eta placed midway between two scores, and the edge
+    heads (no gap yet, eta <= 0, eta >= 1, NaN eta); the gap written in place is this step's."""
+    from siftattention.kernels import DecodeKernels
+    from siftattention.kernels.plan import PowerLawThreshold
+    from siftattention.kernels.torch_ref import _anchor_lse, _scores, sift_anchored_decode_torch
+
+    B, Hq, Hkv, S, D, _ = case
+    gen = torch.Generator().manual_seed(seed("anchored-cpu", *case[:5], renormalize))
+    q, k, v, sl, st = range_case(B, Hq, Hkv, S, D, torch.float32, gen)
+    first, last = 3, 7
+    s64, valid = _scores(q.double(), k.double(), D**-0.5, sl, st)
+    anchor = _anchor_lse(s64, valid, first, last)
+    gap = torch.rand(B, Hq, generator=gen, dtype=torch.float64) * 2
+    log_eta = torch.empty(B, Hq, dtype=torch.float64)
+    for b in range(B):
+        for h in range(Hq):
+            row = torch.sort(s64[b, h][valid[b, h]]).values
+            n = row.numel()
+            if n < 3:
+                log_eta[b, h] = -1.0
+                continue
+            lo = max(0, int(0.8 * n) - 8)
+            gaps = row[lo + 1 : n] - row[lo : n - 1]
+            i = lo + int(gaps.argmax())  # the widest gap above the 80% rank: no float32 rounding can cross it
+            log_eta[b, h] = (row[i] + row[i + 1]) / 2 - anchor[b, h] - gap[b, h]
+    log_eta[0, 0], gap[0, 1], log_eta[0, 1], log_eta[-1, -1] = 0.0, float("nan"), -1.0, float("-inf")
+    log_eta[-1, 0] = float("nan")
+    ref, ref_kept, ref_gap = sift_anchored_decode_torch(q.double(), k.double(), v.double(), log_eta, gap, D**-0.5, sl,
+                                                        renormalize, st, first, last)
+    kern = DecodeKernels.plan(batch=B, q_heads=Hq, kv_heads=Hkv, max_len=S, head_dim=D, dtype=torch.float32,
+                              device="cpu", scale=D**-0.5, renormalize=renormalize, backend="cpu")
+    power_law = PowerLawThreshold(log_eta.float(), torch.zeros(B, Hq), torch.zeros(B))
+    gap32 = gap.float()
+    out, kept = kern.sparse_anchored(q, k, v, power_law, gap32, sl, st, first, last)
+    assert torch.equal(kept, ref_kept)
+    assert rel(out, ref) < 1e-5
+    assert torch.allclose(gap32.double(), ref_gap, atol=1e-5, rtol=0)
+    assert kept[0, 0] == 1 and kept[-1, 0] == 1  # eta >= 1 and NaN eta: the maximum only
+    assert kept[0, 1] == sl[0] - st[0] and kept[-1, -1] == sl[-1] - st[-1]  # no gap yet, eta <= 0: every key
+
+
 def test_cpu_kernel_unavailable_falls_back(monkeypatch):
     """No compiler: one warning says why and auto plans the torch backend; switched off: torch, silently."""
     import warnings

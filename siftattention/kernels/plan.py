@@ -208,6 +208,9 @@ class DecodeKernels:
                     first, last, self.config)
             return run(q, k_cache, v_cache, threshold, gap, self.scale, seq_lens, starts, self.renormalize)
         log_eta = threshold.log_alpha - threshold.beta * threshold.log_steps[:, None]
+        if self.backend == "cpu":
+            return self._cpu.sift_anchored_decode_cpu(q, k_cache, v_cache, log_eta, gap, self.scale, seq_lens,
+                                                      self.renormalize, starts, first, last)
         out, kept, new_gap = sift_anchored_decode_torch(q, k_cache, v_cache, log_eta, gap, self.scale, seq_lens,
                                                         self.renormalize, starts, first, last)
         gap.copy_(new_gap)

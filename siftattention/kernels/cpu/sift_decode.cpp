@@ -7,8 +7,10 @@
 // no head keeps are never read. The torch backend instead runs separate passes over
 // [B, Hq, S] tensors and a dense product with every value row.
 //
-// Modes: SPARSE (Sift's step), DENSE (exact attention) and WARMUP (exact attention and
-// the tau-quantile of each head's probabilities). The probabilities are computed by one
+// Modes: SPARSE (Sift's step), DENSE (exact attention), WARMUP (exact attention and
+// the tau-quantile of each head's probabilities) and ANCHORED (Sift's step with the anchored
+// normaliser: keep s > A + gap + log eta, A the log-sum-exp over the first `first` and newest
+// `last` valid keys, gap the previous step's log-sum-exp minus A, which this step overwrites). The probabilities are computed by one
 // code path whose results do not depend on memory alignment or threads, so a threshold
 // taken from WARMUP's quantile filters the very same numbers in SPARSE.
 //
@@ -29,7 +31,7 @@
 
 namespace {
 
-enum Mode : int64_t { SPARSE = 0, DENSE = 1, WARMUP = 2 };
+enum Mode : int64_t { SPARSE = 0, DENSE = 1, WARMUP = 2, ANCHORED = 3 };
 
 // exp(x) for x <= 0 (Cephes' expf polynomial, about 1 ulp), written branch-free on plain
 // floats so that the loops calling it vectorise; below -87.3 it returns 0.
@@ -89,6 +91,23 @@ inline void axpy(float* __restrict y, float w, const float* __restrict x, int64_
   for (int64_t d = 0; d < n; ++d) y[d] += w * x[d];
 }
 
+// Sum of e over the anchors of a row of n keys: [0, first) and [max(first, n - last), n).
+inline float anchor_sum(const float* e, int64_t n, int64_t first, int64_t last) {
+  const int64_t a = std::min(first, n), b = std::max(a, n - last);
+  float z = 0.f;
+  for (int64_t j = 0; j < a; ++j) z += e[j];
+  for (int64_t j = b; j < n; ++j) z += e[j];
+  return z;
+}
+
+// The anchored filter's probability threshold (torch_ref.anchored_threshold in probabilities):
+// p > exp(A + gap + log eta - lse) = eta * exp(gap - g), g = lse - A = log(z / z_anchors).
+inline float anchored_prob_threshold(float log_eta, float gap, float g) {
+  if (log_eta >= 0.f) return std::numeric_limits<float>::infinity();  // eta >= 1: the maximum only
+  if (std::isnan(gap) || std::isinf(log_eta)) return -1.f;           // no gap yet, or eta <= 0: every key
+  return std::exp(gap - g + log_eta);                                  // NaN log eta: the maximum only
+}
+
 // tau-quantile of p[0..n) with linear interpolation (torch.quantile's rule); reorders tmp.
 float quantile(const float* p, float* tmp, int64_t n, double tau) {
   std::copy(p, p + n, tmp);
@@ -106,10 +125,11 @@ float quantile(const float* p, float* tmp, int64_t n, double tau) {
 }  // namespace
 
 // Returns {out [B, Hq, D] float32, kept [B, Hq] int32, theta [B, Hq] float32 (WARMUP; else empty)}.
+// ANCHORED: eta holds log eta, and gap [B, Hq] float32 is read and overwritten in place.
 std::vector<torch::Tensor> decode_cpu(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor eta,
                                       torch::Tensor tau, double scale, torch::Tensor seq_lens, torch::Tensor starts,
-                                      bool renormalize, int64_t mode) {
-  TORCH_CHECK(mode == SPARSE || mode == DENSE || mode == WARMUP, "unknown mode");
+                                      bool renormalize, int64_t mode, torch::Tensor gap, int64_t first, int64_t last) {
+  TORCH_CHECK(mode == SPARSE || mode == DENSE || mode == WARMUP || mode == ANCHORED, "unknown mode");
   TORCH_CHECK(q.dtype() == torch::kFloat32 && k.dtype() == torch::kFloat32 && v.dtype() == torch::kFloat32,
               "float32 tensors expected");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 4 && v.dim() == 4, "q [B, Hq, D] and caches [B, Hkv, S, D] expected");
@@ -122,8 +142,12 @@ std::vector<torch::Tensor> decode_cpu(torch::Tensor q, torch::Tensor k, torch::T
     TORCH_CHECK(idx->numel() == 0 || (idx->dtype() == torch::kInt32 && idx->numel() == B && idx->is_contiguous()),
                 "seq_lens and starts must be int32 [B]");
   }
-  TORCH_CHECK(mode != SPARSE || (eta.dtype() == torch::kFloat32 && eta.numel() == B * Hq && eta.is_contiguous()),
+  const bool sparse = mode == SPARSE || mode == ANCHORED;
+  TORCH_CHECK(!sparse || (eta.dtype() == torch::kFloat32 && eta.numel() == B * Hq && eta.is_contiguous()),
               "eta must be float32 [B, Hq]");
+  TORCH_CHECK(mode != ANCHORED || (gap.dtype() == torch::kFloat32 && gap.numel() == B * Hq && gap.is_contiguous()
+                                   && first >= 0 && last >= 0),
+              "gap must be float32 [B, Hq] and the anchor counts non-negative");
   TORCH_CHECK(mode != WARMUP || (tau.dtype() == torch::kFloat64 && tau.numel() == B * Hq && tau.is_contiguous()),
               "tau must be float64 [B, Hq]");
   auto out = torch::zeros({B, Hq, D}, q.options());
@@ -145,7 +169,8 @@ std::vector<torch::Tensor> decode_cpu(torch::Tensor q, torch::Tensor k, torch::T
 
   const float* sp = scores.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
-  const float* ep = mode == SPARSE ? eta.data_ptr<float>() : nullptr;
+  const float* ep = sparse ? eta.data_ptr<float>() : nullptr;
+  float* gp = mode == ANCHORED ? gap.data_ptr<float>() : nullptr;
   const double* tp = mode == WARMUP ? tau.data_ptr<double>() : nullptr;
   float* op = out.data_ptr<float>();
   int32_t* kp = kept.data_ptr<int32_t>();
@@ -176,8 +201,13 @@ std::vector<torch::Tensor> decode_cpu(torch::Tensor q, torch::Tensor k, torch::T
         float* eg = e.data() + g * L;
         // A positive scale keeps the order, so the scaled maximum is the scale times the raw one.
         max_scaled[g] = sc * row_max(srow, L);
-        inv_z[g] = 1.f / exp_shift_sum(srow, eg, L, sc, max_scaled[g]);
-        if (mode == SPARSE) {
+        const float z = exp_shift_sum(srow, eg, L, sc, max_scaled[g]);
+        inv_z[g] = 1.f / z;
+        if (mode == ANCHORED) {
+          const float gnew = std::log(z) - std::log(anchor_sum(eg, L, first, last));
+          thr[g] = anchored_prob_threshold(ep[head0 + g], gp[head0 + g], gnew);
+          gp[head0 + g] = gnew;  // this task owns its heads' gaps: read above, then replaced
+        } else if (mode == SPARSE) {
           const float et = ep[head0 + g];
           thr[g] = et <= 0.f ? -1.f : et;  // eta <= 0: every valid key; NaN: the maximum only (p > NaN is false)
         } else {
@@ -235,7 +265,7 @@ std::vector<torch::Tensor> decode_cpu(torch::Tensor q, torch::Tensor k, torch::T
           if (w != 0.f) axpy(og + g * D, w, vrow, D);
         }
       }
-      if (renormalize && mode == SPARSE) {
+      if (renormalize && sparse) {
         for (int64_t g = 0; g < G; ++g) {
           const float r = 1.f / mass[g];
           for (int64_t d = 0; d < D; ++d) og[g * D + d] *= r;
@@ -248,5 +278,6 @@ std::vector<torch::Tensor> decode_cpu(torch::Tensor q, torch::Tensor k, torch::T
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode", &decode_cpu,
-        "Fused decode step on the CPU, float32: mode 0 Sift (threshold eta), 1 exact, 2 exact and tau-quantile");
+        "Fused decode step on the CPU, float32: mode 0 Sift (threshold eta), 1 exact, 2 exact and tau-quantile, "
+        "3 Sift with the anchored normaliser (log eta, gap in place, anchor counts)");
 }
