@@ -7,12 +7,13 @@
 // no head keeps are never read. The torch backend instead runs separate passes over
 // [B, Hq, S] tensors and a dense product with every value row.
 //
-// Modes: SPARSE (Sift's step), DENSE (exact attention), WARMUP (exact attention and
-// the tau-quantile of each head's probabilities) and ANCHORED (Sift's step with the anchored
+// Modes: SPARSE (Sift's step), DENSE (exact attention), WARMUP (exact attention and the
+// tau-quantile of each head's probabilities) and ANCHORED (Sift's step with the anchored
 // normaliser: keep s > A + gap + log eta, A the log-sum-exp over the first `first` and newest
-// `last` valid keys, gap the previous step's log-sum-exp minus A, which this step overwrites). The probabilities are computed by one
-// code path whose results do not depend on memory alignment or threads, so a threshold
-// taken from WARMUP's quantile filters the very same numbers in SPARSE.
+// `last` valid keys, gap the previous step's log-sum-exp minus A, which this step overwrites).
+// The probabilities are computed by one code path whose results do not depend on memory
+// alignment or threads, so a threshold taken from WARMUP's quantile filters the very same
+// numbers in SPARSE.
 //
 // Semantics (kernels/torch_ref.py): valid keys of row b are [starts[b], seq_lens[b]);
 // p = softmax over them; keep p > eta, every valid key where eta <= 0, and always the
