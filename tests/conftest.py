@@ -13,16 +13,25 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach for a hub
 
 
-def run_interpreted(test_file: str, flag: str) -> dict:
-    """Run ``test_file`` as a script with ``flag`` under Triton's CPU interpreter (TRITON_INTERPRET=1)
-    in a subprocess, so the setting never leaks into this process; its last stdout line, as JSON."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "TRITON_DEFAULT_FP_FUSION": "1"}
+def run_json_script(script: str, *args: str, interpret: bool) -> dict:
+    """Run ``script`` in a subprocess with the checkout importable, under Triton's CPU interpreter
+    (TRITON_INTERPRET=1) or without it, so the setting never leaks into this process; its last
+    stdout line, as JSON."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    p = subprocess.run([sys.executable, os.path.abspath(test_file), flag], capture_output=True, text=True, env=env,
-                       timeout=600)
+    p = subprocess.run([sys.executable, os.path.abspath(script), *args], capture_output=True, text=True, env=env,
+                       timeout=900)
     assert p.returncode == 0, p.stderr[-4000:]
     return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def run_interpreted(test_file: str, flag: str) -> dict:
+    """``test_file`` run as a script with ``flag`` under Triton's CPU interpreter (see run_json_script)."""
+    return run_json_script(test_file, flag, interpret=True)
 
 
 def tiny_llama(seed: int = 0, layers: int = 2, heads: int = 4, kv_heads: int = 2):

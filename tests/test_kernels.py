@@ -17,7 +17,7 @@ import zlib
 
 import pytest
 import torch
-from conftest import run_interpreted
+from conftest import run_interpreted, run_json_script
 
 from siftattention.kernels import logit_threshold, sift_decode, sift_warmup_decode
 
@@ -1023,20 +1023,11 @@ def test_every_kernel_variant_compiles_for_sm90():
         import triton  # noqa: F401
     except ImportError:
         pytest.skip("triton is not installed")
-    import subprocess
-
     from triton.runtime import jit
 
     if not hasattr(jit.JITFunction, "_do_compile"):
         pytest.skip(f"triton {triton.__version__} compiles through another internal path than the one the check replaces")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sm90_compile.py")
-    p = subprocess.run([sys.executable, script], capture_output=True, text=True, env=env, timeout=900)
-    assert p.returncode == 0, p.stderr[-4000:]
-    res = json.loads(p.stdout.strip().splitlines()[-1])
+    res = run_json_script(os.path.join(os.path.dirname(os.path.abspath(__file__)), "sm90_compile.py"), interpret=False)
     assert res["failures"] == [], res["failures"][0]["error"]
     assert {c["kernel"] for c in res["compiled"]} == set(res["kernels"])  # every kernel reached
     too_big = [c for c in res["compiled"] if c["shared"] > res["max_shared"]]
