@@ -236,7 +236,8 @@ def method_attention(
         probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
         steps = steps_all[:, r0:r1]
         is_step = (steps > 0) & (not prefill)
-        rows = Rows(probs=probs, valid=row_valid, steps=steps, is_step=is_step, last_step=last_step)
+        rows = Rows(probs=probs, valid=row_valid, steps=steps, is_step=is_step, last_step=last_step, scores=scores,
+                    groups=groups)
         if prefill:
             method.observe_prefill(rows, state)
             weights = probs
@@ -251,4 +252,9 @@ def method_attention(
                 kept = (sel.keep & row_valid).sum(-1) if sel.keep is not None else steps[:, None, :].expand(B, Hq, -1)
                 record.add(steps, kept, sel.approx & is_step)
         out[:, :, r0:r1] = torch.matmul(weights.to(v_rep.dtype), v_rep[:, :, :kmax])
+        if method.vmc and not prefill:
+            # The pruned probability mass goes to the mean of the row's valid value rows.
+            lost = 1.0 - weights.sum(-1, keepdim=True)
+            mean_rows = row_valid.float() / steps.clamp(min=1)[:, None, :, None]
+            out[:, :, r0:r1] += (lost * torch.matmul(mean_rows, v_rep[:, :, :kmax].float())).to(out.dtype)
     return out

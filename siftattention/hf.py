@@ -69,7 +69,7 @@ class SiftStats:
 
     def _stack(self, attr: str) -> torch.Tensor:
         states = self._handle.states
-        if not states or any(s is None for s in states.values()):
+        if not states or any(s is None or not hasattr(s, attr) for s in states.values()):
             raise RuntimeError(
                 f"no statistics yet: {attr} exists once a forward pass or generate() has run with {self._handle.method.name} applied"
                 if not states
@@ -269,7 +269,7 @@ class SiftHandle:
         layer = self._layer_index(module)
         if key.shape[2] == Q or layer not in self.records or self._batch.get(layer) != B:
             # No past keys: a new batch of sequences starts in this layer.
-            self.states[layer] = self.method.new_state(B, Hq, query.device)
+            self.states[layer] = self.method.new_state(B, Hq, query.device, layer=layer)
             self.records[layer] = LayerRecord()
             self._batch[layer] = B
             self._decoded[layer] = 0
@@ -410,5 +410,7 @@ def apply(model: PreTrainedModel, method: Method, *, decode_backend: str | None 
     ...     print(handle.stats.realized_sparsity())
     """
     if not isinstance(method, Method):
-        raise TypeError(f"method must be a siftattention method (Full, TopK, H2O, Sift, Oracle), got {type(method).__name__}")
+        raise TypeError(f"method must be a siftattention method (Full, TopK, H2O, Sift, Oracle, ...), got {type(method).__name__}")
+    if getattr(model, _HANDLE_ATTR, None) is None:
+        method.prepare(model)  # before installing: a calibration runs the model under its own handle
     return SiftHandle(model, method, decode_backend)

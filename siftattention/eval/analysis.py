@@ -199,7 +199,7 @@ class QuantileRecorder(Method):
     def __post_init__(self) -> None:
         self.taus = tuple(tau for _, tau in parse_taus(list(self.taus)))
 
-    def new_state(self, batch: int, heads: int, device: torch.device) -> RecorderState:
+    def new_state(self, batch: int, heads: int, device: torch.device, layer: int = 0) -> RecorderState:
         return RecorderState()
 
     def select(self, rows: Rows, state: RecorderState) -> Selection:

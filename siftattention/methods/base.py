@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 import torch
 
@@ -36,6 +36,9 @@ class Rows:
              in decode mode, for the prompt rows of the prefill (computed exactly).
     last_step: [B] int64, the largest step of the whole forward call (the prompt
              length during a prefill), which a chunk of rows cannot see by itself.
+    scores:  [B, H, R, K] float32 scaled pre-softmax scores (-inf at invalid keys), for the
+             rules stated on scores rather than probabilities (Top-theta, Skip-Softmax).
+    groups:  query heads per KV head (GQA), for rules that decide per KV group.
     """
 
     probs: torch.Tensor
@@ -43,6 +46,8 @@ class Rows:
     steps: torch.Tensor
     is_step: torch.Tensor
     last_step: torch.Tensor
+    scores: torch.Tensor | None = None
+    groups: int = 1
 
 
 @dataclass
@@ -124,13 +129,19 @@ class Method:
     renormalize: bool = False
     #: rows with S <= warmup (teacher-forced) or the first ``warmup`` decoded tokens are exact.
     warmup: int = 0
+    #: value-mean compensation (Top-theta): the pruned probability mass times the mean of the row's valid value rows is added to the output.
+    vmc: bool = False
     #: parameters ``spec()`` names only where they differ from their defaults (options added later
     #: keep the specs, and the result file names made from them, of the methods that do not use them)
     spec_optional: ClassVar[tuple[str, ...]] = ()
 
-    def new_state(self, batch: int, heads: int, device: torch.device) -> Any:
-        """Per-(sequence, head) state for one layer; None when the method keeps none."""
+    def new_state(self, batch: int, heads: int, device: torch.device, layer: int = 0) -> Any:
+        """Per-(sequence, head) state for layer ``layer``; None when the method keeps none."""
         return None
+
+    def prepare(self, model: Any, on_progress: Callable[[int, int], None] | None = None) -> None:
+        """Called by ``apply`` before the method is installed on ``model``; work done once per model
+        (Top-theta's calibration) reports ``on_progress(done, total)``."""
 
     def decode_phase(self, step: int) -> str | None:
         """What decode step ``step`` (0 = the first decoded token) does, or None without a decode step.

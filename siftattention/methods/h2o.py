@@ -43,7 +43,7 @@ class H2O(Method):
         self.k = check_fraction("k", self.k, high_open=False)
         self.heavy_ratio = check_fraction("heavy_ratio", self.heavy_ratio, low_open=False, high_open=False)
 
-    def new_state(self, batch: int, heads: int, device: torch.device) -> H2OState:
+    def new_state(self, batch: int, heads: int, device: torch.device, layer: int = 0) -> H2OState:
         return H2OState(
             accumulated=torch.zeros(batch, heads, 0, device=device),
             evicted=torch.zeros(batch, heads, 0, dtype=torch.bool, device=device),

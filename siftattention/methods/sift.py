@@ -79,7 +79,7 @@ class Sift(Method):
     def anchored(self) -> bool:
         return self.normalizer == "anchored"
 
-    def new_state(self, batch: int, heads: int, device: torch.device) -> SiftState:
+    def new_state(self, batch: int, heads: int, device: torch.device, layer: int = 0) -> SiftState:
         f32 = dict(dtype=torch.float32, device=device)
         return SiftState(
             thetas=torch.zeros(batch, heads, self.warmup, **f32),
