@@ -2,7 +2,7 @@
 
 Public API::
 
-    from siftattention import apply, generate, Full, TopK, H2O, Sift, Oracle, load_model
+    from siftattention import apply, generate, Full, TopK, H2O, Sift, Oracle, TopTheta, SkipSoftmax, load_model
     model, tokenizer = load_model("smollm2-135m")
     with apply(model, Sift(tau=0.875, warmup=128)) as handle:
         model.generate(...)                     # transformers' loop, the method applied
@@ -32,6 +32,8 @@ _EXPORTS = {
     "H2O": "siftattention.methods",
     "Sift": "siftattention.methods",
     "Oracle": "siftattention.methods",
+    "TopTheta": "siftattention.methods",
+    "SkipSoftmax": "siftattention.methods",
     "parse_method": "siftattention.methods",
     "load_model": "siftattention.models",
 }

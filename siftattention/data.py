@@ -94,6 +94,10 @@ def _from_hub(path: str, config: str | None, split: str, field: str = "text", **
     """The split joined with blank lines, or None when `datasets` or the hub is unavailable."""
     if os.environ.get("HF_HUB_OFFLINE") == "1" or importlib.util.find_spec("datasets") is None:
         return None
+    from .models import hub_reachable
+
+    if not hub_reachable():  # one short probe instead of datasets' retries with back-off
+        return None
     try:
         import datasets
 

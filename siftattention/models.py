@@ -19,7 +19,7 @@ import importlib.util
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -219,4 +219,21 @@ def _load(name_or_path: str, source: str, kwargs: dict, dtype: torch.dtype, devi
         raise _unknown_model(
             name_or_path, f"not loadable from the hub ({type(err).__name__}: {str(err).splitlines()[0][:200]})"
         ) from None
+    model._siftattention_tokenizer = tokenizer  # for methods that calibrate on text (Top-theta)
     return model.to(device).eval(), tokenizer
+
+
+def tokenizer_for(model: torch.nn.Module) -> Any:
+    """The tokenizer ``load_model`` loaded with ``model``, else the one saved beside its weights (no hub), or None."""
+    tokenizer = getattr(model, "_siftattention_tokenizer", None)
+    if tokenizer is not None:
+        return tokenizer
+    from transformers import AutoTokenizer
+
+    source = getattr(getattr(model, "config", None), "_name_or_path", "")
+    if not source or not Path(source).is_dir():
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(source, local_files_only=True)
+    except (OSError, ValueError):
+        return None

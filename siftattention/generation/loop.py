@@ -341,7 +341,7 @@ def generate(
     """
     method = Full() if method is None else method
     if not isinstance(method, Method):
-        raise TypeError(f"method must be a siftattention method (Full, TopK, H2O, Sift, Oracle), got {type(method).__name__}")
+        raise TypeError(f"method must be a siftattention method (Full, TopK, H2O, Sift, Oracle, ...), got {type(method).__name__}")
     mask = _check_inputs(input_ids, attention_mask, max_new_tokens)
     # The model's generation config first, as transformers' generate reads it.
     configs = [c for c in (getattr(model, "generation_config", None), getattr(model, "config", None)) if c is not None]

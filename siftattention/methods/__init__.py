@@ -1,4 +1,4 @@
-"""Attention methods: Full, TopK, H2O, Sift, Oracle, and the ``name:key=value`` spec grammar."""
+"""Attention methods: Full, TopK, H2O, Sift, Oracle, the published rivals TopTheta and SkipSoftmax, and the ``name:key=value`` spec grammar."""
 
 from __future__ import annotations
 
@@ -9,9 +9,11 @@ from .full import Full
 from .h2o import H2O
 from .oracle import Oracle
 from .sift import Sift
+from .skip_softmax import SkipSoftmax
+from .top_theta import CalibrationError, TopTheta
 from .topk import TopK
 
-METHODS: dict[str, type[Method]] = {cls.name: cls for cls in (Full, TopK, H2O, Sift, Oracle)}
+METHODS: dict[str, type[Method]] = {cls.name: cls for cls in (Full, TopK, H2O, Sift, Oracle, TopTheta, SkipSoftmax)}
 
 SPEC_HELP = """Method spec grammar: NAME[:KEY=VALUE[,KEY=VALUE...]]
   full
@@ -20,6 +22,9 @@ SPEC_HELP = """Method spec grammar: NAME[:KEY=VALUE[,KEY=VALUE...]]
   sift:tau=0.875,warmup=128[,renormalize=false][,warmup_source=decode|prefill]
        [,normalizer=exact|anchored][,anchor_first=64][,anchor_last=256]
   oracle:tau=0.875[,renormalize=false]     exact per-step tau-quantile threshold
+  toptheta:k=64[,renormalize=false][,vmc=true][,first_layers=2][,first_k=512][,sigma=0.1]
+       [,calibration=c4][,calib_seqs=8][,calib_len=1024]   calibrated score thresholds (Top-theta)
+  skipsoftmax:scale=16[,block=128][,per_head=false]   skip blocks far below the running max (BLASST)
 Booleans: true/false/1/0/yes/no."""
 
 
@@ -74,4 +79,5 @@ def parse_method(spec: str) -> Method:
         raise SpecError(f"{name}: {err}") from None
 
 
-__all__ = ["METHODS", "SPEC_HELP", "Full", "H2O", "Method", "Oracle", "Rows", "Selection", "Sift", "SpecError", "TopK", "parse_method"]
+__all__ = ["METHODS", "SPEC_HELP", "CalibrationError", "Full", "H2O", "Method", "Oracle", "Rows", "Selection", "Sift", "SkipSoftmax",
+           "SpecError", "TopK", "TopTheta", "parse_method"]

@@ -1,0 +1,226 @@
+"""Top-theta attention (Berestizshevsky, Andri and Cavigelli, 2025): calibrated static thresholds.
+
+A key is kept when its scaled pre-softmax score exceeds ``theta[layer, head, n]``, with n
+the row's valid keys. The thresholds come from a calibration pass over text the method
+never evaluates on: for every calibration row with n > k, the (k+1)-th largest score (the
+largest score top-k would drop), averaged over the calibration sequences per (layer, query
+head, n) as ``mean + sigma * std``. A row of a length the calibration never saw takes the
+nearest calibrated one (the longest, beyond it); rows with n <= k keep every key. Layers
+below ``first_layers`` use ``first_k`` (the paper's setting: denser first layers). While
+calibrating, each layer keeps exactly its top-k keys (top-k at calibration), so deeper
+layers are calibrated on the inputs they will see. This follows the authors' released code.
+
+Compensations: with ``renormalize=False`` (the default) the kept probabilities keep the
+full softmax normaliser (the paper's exact softmax-denominator compensation); with
+``renormalize=True`` the softmax runs over the kept keys only. ``vmc=True`` (the default)
+adds the pruned probability mass times the mean of the row's valid value rows (V-mean
+compensation). The row's largest score is always kept, so no row goes empty.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar
+
+import torch
+
+from .base import DecodeOutput, KeyRange, Method, Rows, Selection, keep_row_max
+
+
+class CalibrationError(RuntimeError):
+    """Top-theta has no thresholds for this model and cannot calibrate them."""
+
+
+def _check_int(name: str, value: object, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    return value
+
+
+def _model_key(model: Any) -> tuple:
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return (getattr(model.config, "_name_or_path", ""), config.num_hidden_layers, config.num_attention_heads)
+
+
+def _lookup(thresholds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """theta for rows of ``steps`` valid keys: ``thresholds`` [H, T + 1] -> [*steps.shape, H] (NaN: dense)."""
+    index = steps.long().clamp(max=thresholds.shape[-1] - 1)
+    return thresholds[:, index].movedim(0, -1)
+
+
+@dataclass
+class _Accumulator:
+    """Sums over the calibration rows of one layer, per (query head, n)."""
+
+    total: torch.Tensor  # [H, T + 1] float64
+    total_sq: torch.Tensor  # [H, T + 1] float64
+    count: torch.Tensor  # [T + 1] int64
+
+
+@dataclass
+class _CalibrationState:
+    k: int
+    acc: _Accumulator
+
+
+class _Calibrator(Method):
+    """Exact top-k attention that records each row's (k+1)-th largest score, for ``TopTheta.calibrate``."""
+
+    name = "toptheta-calibration"
+
+    def __init__(self, target: "TopTheta", length: int) -> None:
+        self.target, self.length = target, length
+        self.renormalize, self.vmc = target.renormalize, target.vmc
+        self.layers: dict[int, _Accumulator] = {}
+
+    def spec(self) -> str:
+        return f"{self.name}({self.target.spec()})"
+
+    def new_state(self, batch: int, heads: int, device: torch.device, layer: int = 0) -> _CalibrationState:
+        acc = self.layers.get(layer)
+        if acc is None:
+            zeros = dict(dtype=torch.float64, device=device)
+            acc = self.layers[layer] = _Accumulator(
+                torch.zeros(heads, self.length + 1, **zeros), torch.zeros(heads, self.length + 1, **zeros),
+                torch.zeros(self.length + 1, dtype=torch.long, device=device))
+        return _CalibrationState(self.target.layer_k(layer), acc)
+
+    def select(self, rows: Rows, state: _CalibrationState) -> Selection:
+        k, K = state.k, rows.scores.shape[-1]
+        record = rows.is_step & (rows.steps > k) & (rows.steps <= self.length)  # [B, R]
+        if K <= k or not bool(record.any()):
+            return Selection(keep=None, approx=record)
+        theta = rows.scores.topk(k + 1, dim=-1).values[..., k]  # [B, H, R]
+        n = rows.steps[record]
+        values = theta.permute(0, 2, 1)[record].double().T  # [H, rows]
+        state.acc.total.index_add_(1, n, values)
+        state.acc.total_sq.index_add_(1, n, values * values)
+        state.acc.count.index_add_(0, n, torch.ones_like(n))
+        keep = (rows.scores > theta[..., None]) | ~record[:, None, :, None]
+        return Selection(keep=keep & rows.valid, approx=record)
+
+
+@dataclass
+class TopThetaState:
+    thresholds: torch.Tensor  # [H, T + 1] float32 theta per row length n (NaN: keep every key)
+
+
+@dataclass
+class TopTheta(Method):
+    """Keep keys whose score exceeds a threshold calibrated to keep about ``k`` keys per row."""
+
+    k: int = 64
+    renormalize: bool = False
+    vmc: bool = True
+    first_layers: int = 2
+    first_k: int = 512
+    sigma: float = 0.1
+    calibration: str = "c4"
+    calib_seqs: int = 8
+    calib_len: int = 1024
+    name = "toptheta"
+    spec_optional: ClassVar[tuple[str, ...]] = ("first_layers", "first_k", "sigma", "calibration", "calib_seqs", "calib_len")
+
+    def __post_init__(self) -> None:
+        _check_int("k", self.k, 1)
+        _check_int("first_layers", self.first_layers, 0)
+        _check_int("first_k", self.first_k, 1)
+        _check_int("calib_seqs", self.calib_seqs, 1)
+        _check_int("calib_len", self.calib_len, 2)
+        if isinstance(self.sigma, bool) or not isinstance(self.sigma, (int, float)) or not (self.sigma == self.sigma):
+            raise ValueError(f"sigma must be a number, got {self.sigma!r}")
+        from ..data import DATASETS
+
+        if self.calibration not in DATASETS:
+            raise ValueError(f"calibration must be one of {', '.join(DATASETS)}, got {self.calibration!r}")
+        #: [L, H, T + 1] float32 thresholds once calibrated (``calibrate`` or ``apply``)
+        self.thresholds: torch.Tensor | None = None
+        self._calibrated_for: tuple | None = None
+
+    def layer_k(self, layer: int) -> int:
+        return self.first_k if layer < self.first_layers else self.k
+
+    # -- calibration -----------------------------------------------------------------
+    def calibrate(self, model: Any, input_ids: torch.Tensor, *, on_window: Callable[[int], None] | None = None) -> "TopTheta":
+        """Set the thresholds from teacher-forced passes of ``model`` over ``input_ids`` [N, T]; returns self."""
+        from ..hf import apply
+
+        if input_ids.dim() != 2 or input_ids.shape[1] < 2:
+            raise ValueError(f"input_ids must be [N, T] with T >= 2, got {tuple(input_ids.shape)}")
+        key = _model_key(model)
+        calibrator = _Calibrator(self, input_ids.shape[1])
+        with apply(model, calibrator), torch.inference_mode():
+            for i, window in enumerate(input_ids):
+                model(window[None].to(model.device))
+                if on_window is not None:
+                    on_window(i)
+        if sorted(calibrator.layers) != list(range(key[1])):
+            raise CalibrationError(f"calibration saw layers {sorted(calibrator.layers)} of {key[1]}")
+        layers = []
+        for layer in range(key[1]):
+            acc = calibrator.layers[layer]
+            count = acc.count.double()
+            mean = acc.total / count
+            std = (acc.total_sq / count - mean * mean).clamp(min=0).sqrt()
+            theta = torch.where(acc.count > 0, mean + self.sigma * std, float("nan"))
+            layers.append(theta.float().cpu())
+        self.thresholds = torch.stack(layers)
+        self._calibrated_for = key
+        return self
+
+    def prepare(self, model: Any, on_progress: Callable[[int, int], None] | None = None) -> None:
+        """Calibrate on ``calib_seqs`` windows of ``calib_len`` tokens of the ``calibration`` corpus, unless done for this model."""
+        if self.thresholds is not None and self._calibrated_for == _model_key(model):
+            return
+        from ..data import load_corpus, token_windows
+        from ..models import tokenizer_for
+
+        tokenizer = tokenizer_for(model)
+        if tokenizer is None:
+            raise CalibrationError(
+                f"{self.spec()} needs thresholds for this model and found no tokenizer to calibrate with: "
+                "call method.calibrate(model, input_ids) first")
+        windows = token_windows(load_corpus(self.calibration).text, tokenizer, self.calib_len, self.calib_seqs)
+        report = None if on_progress is None else (lambda i: on_progress(i + 1, len(windows)))
+        self.calibrate(model, windows, on_window=report)
+
+    # -- the method ------------------------------------------------------------------
+    def new_state(self, batch: int, heads: int, device: torch.device, layer: int = 0) -> TopThetaState:
+        if self.thresholds is None:
+            raise CalibrationError(f"{self.spec()} is not calibrated: apply() calibrates it, or call calibrate(model, input_ids)")
+        if not (layer < self.thresholds.shape[0] and heads == self.thresholds.shape[1]):
+            raise CalibrationError(
+                f"{self.spec()} was calibrated for {self.thresholds.shape[0]} layers x {self.thresholds.shape[1]} heads, "
+                f"asked for layer {layer} with {heads} heads")
+        return TopThetaState(self.thresholds[layer].to(device))
+
+    def select(self, rows: Rows, state: TopThetaState) -> Selection:
+        theta = _lookup(state.thresholds, rows.steps).permute(0, 2, 1)[..., None]  # [B, H, R, 1]
+        keep = (rows.scores > theta) | theta.isnan()
+        keep = keep_row_max(rows.probs, keep, rows.valid)
+        return Selection(keep=keep, approx=rows.is_step & ~theta.isnan().all(1)[..., 0])
+
+    def decode_phase(self, step: int) -> str:
+        return "sparse"
+
+    def decode_step(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, keys: KeyRange, state: TopThetaState, phase: str, kernels: Any) -> DecodeOutput:
+        from ..kernels.torch_ref import _apply_v, _kept_output, _probs, _scores
+
+        scores, valid = _scores(query, k_cache, kernels.scale, keys.seq_lens, keys.starts)
+        steps = keys.steps()
+        theta = _lookup(state.thresholds, steps)[..., None]  # [B, H, 1]
+        keep = (scores > theta) | theta.isnan()
+        keep.scatter_(-1, scores.argmax(dim=-1, keepdim=True), True)
+        keep &= valid
+        probs = _probs(scores)
+        out, kept = _kept_output(probs, keep, v_cache, self.renormalize, torch.float32)
+        if self.vmc:
+            weights = torch.where(keep, probs, torch.zeros((), dtype=probs.dtype, device=probs.device))
+            if self.renormalize:
+                weights = weights / weights.sum(-1, keepdim=True)
+            lost = 1.0 - weights.sum(-1, keepdim=True)
+            out = out + lost * _apply_v(valid.float() / steps.float()[:, None, None], v_cache)
+        return DecodeOutput(out.to(query.dtype), kept, True)
+
+
+__all__ = ["CalibrationError", "TopTheta"]
