@@ -23,6 +23,8 @@ DEMO_METHODS = [
     "sift:tau=0.875,warmup=128,renormalize=true",
     "oracle:tau=0.875",
     "oracle:tau=0.875,renormalize=true",
+    "toptheta:k=16",
+    "skipsoftmax:scale=64,block=32",
 ]
 
 # The prompt of the paper's appendix generation sample.
@@ -40,6 +42,24 @@ PAPER_PROMPT = (
 
 def _parse_methods(specs: tuple[str, ...]) -> list:
     return [(spec, parse_method(spec)) for spec in specs]
+
+
+def prepare_methods(model, methods: list) -> None:
+    """Each method's once-per-model work (Top-theta's calibration) up front, with a progress bar."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn()]
+    with Progress(*columns, console=console, transient=True) as progress:
+        for spec, method in methods:
+            task = None
+
+            def on_progress(done: int, total: int, spec: str = spec) -> None:
+                nonlocal task
+                if task is None:
+                    task = progress.add_task(f"calibrating [{spec}]", total=total)
+                progress.update(task, completed=done)
+
+            method.prepare(model, on_progress)
 
 
 def _load(model_name: str):
@@ -72,6 +92,7 @@ def run_ppl(
     windows = token_windows(corpus.text, tokenizer, seq_len, num_seqs)
     console.print(f"data: {dataset} from {corpus.source}: {num_seqs} windows x {seq_len} tokens")
     start = time.perf_counter()
+    prepare_methods(model, methods)
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn()]
     with Progress(*columns, console=console) as progress:
         task = progress.add_task("perplexity", total=len(methods) * num_seqs)
@@ -133,6 +154,7 @@ def generate_text(model, tokenizer, prompt: str, spec: str, max_new_tokens: int,
     else:
         ids = tokenizer(prompt, return_tensors="pt")
     method = parse_method(spec)
+    prepare_methods(model, [(spec, method)])
     with apply(model, method) as handle, torch.no_grad():
         out = model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id)
         sparsity = handle.stats.realized_sparsity()

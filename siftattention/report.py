@@ -139,6 +139,10 @@ def method_family(spec: str) -> str:
         label += " renorm"
     if method.name == "topk" and not method.renormalize:
         label += " no-renorm"
+    if method.name == "toptheta":
+        label += (" renorm" if method.renormalize else "") + ("" if method.vmc else " no-vmc")
+    if method.name == "skipsoftmax":
+        label += f" block={method.block}" + (" per-head" if method.per_head else "")
     return label
 
 
@@ -155,6 +159,8 @@ def plot_ppl_vs_sparsity(rows: Sequence[dict], path: Path, title: str) -> Path |
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    if len(families) > 10:  # more lines than the default colour cycle has colours
+        ax.set_prop_cycle(color=plt.get_cmap("tab20").colors)
     for family, points in families.items():
         if family == "full":
             ax.axhline(points[0]["ppl"], color="black", linestyle="--", linewidth=1, label="full")
