@@ -87,7 +87,7 @@ class _Calibrator(Method):
 
     def select(self, rows: Rows, state: _CalibrationState) -> Selection:
         k, K = state.k, rows.scores.shape[-1]
-        record = rows.is_step & (rows.steps > k) & (rows.steps <= self.length)  # [B, R]
+        record = rows.is_step & (rows.steps > k)  # [B, R]; steps <= the windows' length
         if K <= k or not bool(record.any()):
             return Selection(keep=None, approx=record)
         theta = rows.scores.topk(k + 1, dim=-1).values[..., k]  # [B, H, R]
