@@ -92,13 +92,16 @@ def sift_decode_torch(
     return _kept_output(p, keep_mask(p, s, valid, eta), v_cache, renormalize, q.dtype)
 
 
+def _kept_weights(p: torch.Tensor, keep: torch.Tensor, renormalize: bool) -> torch.Tensor:
+    """The kept keys' probabilities (0 elsewhere), renormalised to their own mass if asked."""
+    w = torch.where(keep, p, torch.zeros((), dtype=p.dtype, device=p.device))
+    return w / w.sum(dim=-1, keepdim=True) if renormalize else w
+
+
 def _kept_output(p: torch.Tensor, keep: torch.Tensor, v_cache: torch.Tensor, renormalize: bool,
                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Output of the kept keys' probabilities (renormalised to their own mass if asked) and the kept counts."""
-    w = torch.where(keep, p, torch.zeros((), dtype=p.dtype, device=p.device))
-    if renormalize:
-        w = w / w.sum(dim=-1, keepdim=True)
-    return _apply_v(w, v_cache).to(dtype), keep.sum(dim=-1, dtype=torch.int32)
+    return _apply_v(_kept_weights(p, keep, renormalize), v_cache).to(dtype), keep.sum(dim=-1, dtype=torch.int32)
 
 
 def anchor_mask(valid: torch.Tensor, first: int, last: int) -> torch.Tensor:

@@ -67,7 +67,7 @@ class SkipSoftmax(Method):
     def log_lambda(self, steps: torch.Tensor) -> torch.Tensor:
         """log(scale / S) per row, -inf where lambda >= 1 (nothing skipped)."""
         log_lam = math.log(self.scale) - steps.float().log()
-        return torch.where(log_lam < 0, log_lam, torch.full_like(log_lam, float("-inf")))
+        return log_lam.masked_fill(log_lam >= 0, float("-inf"))
 
     def _keep(self, scores: torch.Tensor, steps: torch.Tensor, groups: int) -> torch.Tensor:
         return skip_softmax_keep(scores, self.log_lambda(steps), self.block, 1 if self.per_head else groups)

@@ -204,7 +204,7 @@ class TopTheta(Method):
         return "sparse"
 
     def decode_step(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, keys: KeyRange, state: TopThetaState, phase: str, kernels: Any) -> DecodeOutput:
-        from ..kernels.torch_ref import _apply_v, _kept_output, _probs, _scores
+        from ..kernels.torch_ref import _apply_v, _kept_weights, _probs, _scores
 
         scores, valid = _scores(query, k_cache, kernels.scale, keys.seq_lens, keys.starts)
         steps = keys.steps()
@@ -212,15 +212,12 @@ class TopTheta(Method):
         keep = (scores > theta) | theta.isnan()
         keep.scatter_(-1, scores.argmax(dim=-1, keepdim=True), True)
         keep &= valid
-        probs = _probs(scores)
-        out, kept = _kept_output(probs, keep, v_cache, self.renormalize, torch.float32)
+        weights = _kept_weights(_probs(scores), keep, self.renormalize)
+        out = _apply_v(weights, v_cache)
         if self.vmc:
-            weights = torch.where(keep, probs, torch.zeros((), dtype=probs.dtype, device=probs.device))
-            if self.renormalize:
-                weights = weights / weights.sum(-1, keepdim=True)
             lost = 1.0 - weights.sum(-1, keepdim=True)
             out = out + lost * _apply_v(valid.float() / steps.float()[:, None, None], v_cache)
-        return DecodeOutput(out.to(query.dtype), kept, True)
+        return DecodeOutput(out.to(query.dtype), keep.sum(-1, dtype=torch.int32), True)
 
 
 __all__ = ["CalibrationError", "TopTheta"]
