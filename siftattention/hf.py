@@ -34,6 +34,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from .attention import LayerRecord, exact_attention, is_causal_block, method_attention, valid_keys
 from .kernels.plan import BACKENDS
 from .methods.base import KeyRange, Method
+from .parallel import gather_heads, tensor_parallel_group
 
 _HANDLE_ATTR = "_siftattention_handle"
 
@@ -54,7 +55,11 @@ def _boolean_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
 
 
 class SiftStats:
-    """Realized sparsity and method state per (sequence, layer, head) since the last reset."""
+    """Realized sparsity and method state per (sequence, layer, head) since the last reset.
+
+    Under tensor parallelism every rank reports every head of the model (gathered over
+    the ranks), so each statistic is a collective that all ranks call in the same order.
+    """
 
     def __init__(self, handle: "SiftHandle") -> None:
         self._handle = handle
@@ -64,7 +69,7 @@ class SiftStats:
         return sorted(self._handle.records)
 
     def state(self, layer: int) -> Any:
-        """The method's state of one layer (for Sift: thetas, theta_steps, alpha, beta, r2)."""
+        """The method's state of one layer (for Sift: thetas, theta_steps, alpha, beta, r2); this rank's heads under tensor parallelism."""
         return self._handle.states.get(layer)
 
     def _stack(self, attr: str) -> torch.Tensor:
@@ -75,7 +80,8 @@ class SiftStats:
                 if not states
                 else f"{self._handle.method.name} keeps no {attr}"
             )
-        return torch.stack([getattr(states[layer], attr).cpu() for layer in sorted(states)])
+        local = torch.stack([getattr(states[layer], attr) for layer in sorted(states)])
+        return gather_heads(local, self._handle.tp_group, dim=2)
 
     @property
     def thetas(self) -> torch.Tensor:
@@ -112,7 +118,7 @@ class SiftStats:
             selected.append(sel[:, None, :])
         if not sparsity:
             return torch.zeros(0, 0, 0, 0, dtype=torch.float64), torch.zeros(0, 0, 1, 0, dtype=torch.bool)
-        return torch.stack(sparsity), torch.stack(selected)
+        return gather_heads(torch.stack(sparsity), self._handle.tp_group, dim=2), torch.stack(selected)
 
     def realized_sparsity(self, *, post_warmup: bool = False, min_step: int = 1, per_sequence: bool = False) -> Any:
         """Pruned keys / valid keys, averaged over steps, heads, layers (and sequences).
@@ -168,6 +174,8 @@ class SiftHandle:
         self._causal_mask: tuple[weakref.ref, bool] | None = None  # the last prompt mask checked, and its verdict
         self._plans: dict[tuple, Any] = {}
         self._previous = getattr(model, "config", None) and model.config._attn_implementation
+        #: The process group sharding the heads under tensor parallelism (statistics gather over it), else None.
+        self.tp_group = tensor_parallel_group(model)
         self._installed = False
         self._install()
 

@@ -26,6 +26,7 @@ from ..attention import StepLog
 from ..hf import SiftHandle, SiftStats, apply
 from ..methods import Full
 from ..methods.base import KeyRange, Method
+from ..parallel import device_map_devices
 from .cache import FixedCache
 
 
@@ -97,6 +98,10 @@ def fast_path_problem(model: torch.nn.Module, method: Method) -> str | None:
     """Why the fixed-cache loop cannot serve this model and method, or None."""
     if method.decode_phase(0) is None:
         return f"{method.name} has no device-side decode step (its cache eviction needs host logic)"
+    devices = device_map_devices(model)
+    if len(devices) > 1:
+        # One step is one CUDA graph, and a graph is captured on one device.
+        return f"the model's device map spreads it over {', '.join(devices)}, the fixed-cache loop runs a model on one device"
     config = getattr(model, "config", None)
     text = config.get_text_config(decoder=True) if config is not None and hasattr(config, "get_text_config") else config
     if text is None or getattr(text, "is_encoder_decoder", False):

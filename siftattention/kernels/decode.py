@@ -20,7 +20,7 @@ import math
 import torch
 
 from .plan import DTYPES as _DTYPES
-from .plan import resolve_backend
+from .plan import on_device, resolve_backend
 from .torch_ref import sift_decode_torch, sift_warmup_decode_torch
 
 
@@ -174,7 +174,8 @@ def sift_decode(
         return sift_decode_cpu(q, k_cache, v_cache, eta_t, scale_f, seq_lens, renormalize, starts)
     from .triton_decode import sift_decode_triton
 
-    return sift_decode_triton(q, k_cache, v_cache, eta_t, scale_f, seq_lens, renormalize, starts=starts)
+    with on_device(q.device):
+        return sift_decode_triton(q, k_cache, v_cache, eta_t, scale_f, seq_lens, renormalize, starts=starts)
 
 
 def sift_warmup_decode(
@@ -212,4 +213,5 @@ def sift_warmup_decode(
         return sift_warmup_decode_torch(q, k_cache, v_cache, tau_t, scale_f, seq_lens, starts)
     from .triton_decode import sift_warmup_decode_triton
 
-    return sift_warmup_decode_triton(q, k_cache, v_cache, tau_t, scale_f, seq_lens, starts=starts)
+    with on_device(q.device):
+        return sift_warmup_decode_triton(q, k_cache, v_cache, tau_t, scale_f, seq_lens, starts=starts)

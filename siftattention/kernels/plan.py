@@ -22,9 +22,10 @@ Preconditions of the run methods (not checked, so that they stay cheap):
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -104,6 +105,14 @@ def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype | Non
     return backend
 
 
+def on_device(device: torch.device) -> Any:
+    """A context that makes ``device`` the current CUDA device: Triton launches on the current one,
+    and the layers of an accelerate device map keep their tensors on others."""
+    if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
+
+
 class DecodeKernels:
     """One decode-step shape, planned: ``sparse`` (sift), ``dense`` (exact) and ``warmup`` steps.
 
@@ -175,8 +184,9 @@ class DecodeKernels:
                starts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Sift step: out [B, Hq, D] (q's dtype) and kept [B, Hq] int32 (keys kept per head)."""
         if self.backend == "triton":
-            return self._td.sparse(self.geometry, self.workspace, q, k_cache, v_cache, eta, self.scale, seq_lens,
-                                   starts, self.renormalize, self.config)
+            with on_device(self.device):
+                return self._td.sparse(self.geometry, self.workspace, q, k_cache, v_cache, eta, self.scale, seq_lens,
+                                       starts, self.renormalize, self.config)
         if isinstance(eta, PowerLawThreshold):
             eta = eta.eta()
         if self.backend == "cpu":
@@ -196,17 +206,18 @@ class DecodeKernels:
         (``anchored_onepass``).
         """
         if self.backend == "triton":
-            if not (self.anchored_onepass if onepass is None else onepass):
-                return self._td.sparse(self.geometry, self.workspace, q, k_cache, v_cache, threshold, self.scale,
-                                       seq_lens, starts, self.renormalize, self.config, anchors=(gap, first, last))
-            run = self._onepass.get((first, last))
-            if run is None:  # planned on the first (eager) call, never inside a captured step
-                from .triton_onepass import OnePassPlan
+            with on_device(self.device):
+                if not (self.anchored_onepass if onepass is None else onepass):
+                    return self._td.sparse(self.geometry, self.workspace, q, k_cache, v_cache, threshold, self.scale,
+                                           seq_lens, starts, self.renormalize, self.config, anchors=(gap, first, last))
+                run = self._onepass.get((first, last))
+                if run is None:  # planned on the first (eager) call, never inside a captured step
+                    from .triton_onepass import OnePassPlan
 
-                run = self._onepass[(first, last)] = OnePassPlan(
-                    self.batch, self.q_heads, self.kv_heads, self.max_len, self.head_dim, self.dtype, self.device,
-                    first, last, self.config)
-            return run(q, k_cache, v_cache, threshold, gap, self.scale, seq_lens, starts, self.renormalize)
+                    run = self._onepass[(first, last)] = OnePassPlan(
+                        self.batch, self.q_heads, self.kv_heads, self.max_len, self.head_dim, self.dtype, self.device,
+                        first, last, self.config)
+                return run(q, k_cache, v_cache, threshold, gap, self.scale, seq_lens, starts, self.renormalize)
         log_eta = threshold.log_alpha - threshold.beta * threshold.log_steps[:, None]
         if self.backend == "cpu":
             return self._cpu.sift_anchored_decode_cpu(q, k_cache, v_cache, log_eta, gap, self.scale, seq_lens,
@@ -224,15 +235,17 @@ class DecodeKernels:
         in the workspace (same q, cache and key range); elsewhere it scores the keys again.
         """
         if self.backend == "triton":
-            return self._td.warmup_gap(self.geometry, self.workspace, seq_lens, starts, first, last, self.config)
+            with on_device(self.device):
+                return self._td.warmup_gap(self.geometry, self.workspace, seq_lens, starts, first, last, self.config)
         return anchor_gap_torch(q, k_cache, self.scale, seq_lens, starts, first, last)
 
     def dense(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
               starts: torch.Tensor | None = None) -> torch.Tensor:
         """Exact attention over the valid keys: out [B, Hq, D] (q's dtype)."""
         if self.backend == "triton":
-            return self._td.dense(self.geometry, self.workspace, q, k_cache, v_cache, self.scale, seq_lens, starts,
-                                  self.config)
+            with on_device(self.device):
+                return self._td.dense(self.geometry, self.workspace, q, k_cache, v_cache, self.scale, seq_lens, starts,
+                                      self.config)
         if self.backend == "cpu":
             return self._cpu.dense_decode_cpu(q, k_cache, v_cache, self.scale, seq_lens, starts)
         return dense_decode_torch(q, k_cache, v_cache, self.scale, seq_lens, starts)
@@ -252,8 +265,9 @@ class DecodeKernels:
             if tau_t is None:  # filled once (the first, eager step), never inside a captured step
                 tau_t = self._taus[float(tau)] = torch.full((self.batch, self.q_heads), float(tau), dtype=torch.float64, device=self.device)
         if self.backend == "triton":
-            return self._td.warmup(self.geometry, self.workspace, q, k_cache, v_cache, tau_t, self.scale, seq_lens,
-                                   starts, self.config)
+            with on_device(self.device):
+                return self._td.warmup(self.geometry, self.workspace, q, k_cache, v_cache, tau_t, self.scale, seq_lens,
+                                       starts, self.config)
         if self.backend == "cpu":
             return self._cpu.warmup_decode_cpu(q, k_cache, v_cache, tau_t, self.scale, seq_lens, starts)
         return sift_warmup_decode_torch(q, k_cache, v_cache, tau_t, self.scale, seq_lens, starts)

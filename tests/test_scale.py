@@ -1,0 +1,170 @@
+"""Methods inside transformers' tensor parallelism and accelerate device maps (CPU).
+
+Tensor parallelism runs for real: two ranks started by ``torch.distributed.run`` on the
+gloo backend load a small random model with ``tp_plan="auto"`` (each rank holds half of
+the heads) and run every method; their logits, tokens and statistics must equal those
+of the same model in one process. The device map offloads a layer to disk, so
+accelerate's hooks move its weights in at every forward.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import tiny_llama, tiny_qwen2
+from siftattention import H2O, Full, Oracle, SkipSoftmax, Sift, TopK, TopTheta, apply
+from siftattention.generation import generate
+
+NEW = 10
+RANKS = 2
+
+
+def _methods() -> dict:
+    return {
+        "full": Full(),
+        "topk": TopK(k=0.25),
+        "h2o": H2O(k=0.5),
+        "sift": Sift(tau=0.75, warmup=4),  # the warmup ends mid-generation
+        "sift_anchored": Sift(tau=0.75, warmup=4, normalizer="anchored"),
+        "oracle": Oracle(tau=0.75),
+        "skipsoftmax": SkipSoftmax(scale=2, block=4),
+        "toptheta": TopTheta(k=4, first_layers=0),
+    }
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(2, 90, (3, 40), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :6] = 0
+    mask[2, :13] = 0
+    calibration = torch.randint(2, 90, (2, 48), generator=g)
+    return ids, mask, calibration
+
+
+def _run(model) -> dict:
+    """Every method's teacher-forced logits, tokens on both generation paths and statistics."""
+    ids, mask, calibration = _inputs()
+    out = {}
+    for name, method in _methods().items():
+        if isinstance(method, TopTheta):
+            method.calibrate(model, calibration)
+        res: dict = {}
+        with apply(model, method) as handle, torch.inference_mode():
+            res["logits"] = model(ids, attention_mask=mask).logits.float()
+            res["forward_per_head"] = handle.stats.per_head()
+            res["hf_tokens"] = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, min_new_tokens=NEW)
+            res["hf_sparsity"] = handle.stats.realized_sparsity()
+            if isinstance(method, Sift):
+                res["alpha"], res["beta"] = handle.stats.alpha, handle.stats.beta
+        fast = generate(model, ids, mask, method, max_new_tokens=NEW)
+        res["fast_tokens"] = fast.sequences
+        res["fast_per_head"] = fast.stats.per_head()
+        res["fast_sparsity"] = fast.stats.realized_sparsity(per_sequence=True)
+        out[name] = res
+    return out
+
+
+def _worker(model_dir: str, out_dir: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    warnings.filterwarnings("ignore")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, tp_plan="auto", dtype=torch.float32).eval()
+    rank = torch.distributed.get_rank()
+    attn = model.model.layers[0].self_attn
+    local_heads = attn.q_proj.weight.to_local().shape[0] // attn.head_dim
+    res = _run(model)
+    res["local_heads"] = local_heads
+    torch.save(res, Path(out_dir) / f"rank{rank}.pt")
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def tensor_parallel_run(request, tmp_path_factory):
+    """(single-process results, per-rank results) of one model."""
+    model = tiny_llama(heads=4, kv_heads=2) if request.param == "llama" else tiny_qwen2(seed=1, kv_heads=2)
+    base = tmp_path_factory.mktemp(f"tp_{request.param}")
+    model.save_pretrained(base / "model")
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{root / 'tests'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(RANKS),
+           __file__, "--worker", str(base / "model"), str(base)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ranks = [torch.load(base / f"rank{r}.pt") for r in range(RANKS)]
+    return _run(model), ranks
+
+
+def test_every_rank_holds_a_shard_of_the_heads(tensor_parallel_run):
+    _, ranks = tensor_parallel_run
+    assert [r["local_heads"] for r in ranks] == [4 // RANKS] * RANKS
+
+
+@pytest.mark.parametrize("name", list(_methods()))
+def test_tensor_parallel_ranks_equal_one_process(tensor_parallel_run, name):
+    single, ranks = tensor_parallel_run
+    ref = single[name]
+    for rank in ranks:
+        res = rank[name]
+        torch.testing.assert_close(res["logits"], ref["logits"], atol=1e-4, rtol=1e-4)
+        assert torch.equal(res["hf_tokens"], ref["hf_tokens"])
+        assert torch.equal(res["fast_tokens"], ref["fast_tokens"])
+        # Every rank reports every head of the model, in the model's order.
+        for key in ("forward_per_head", "fast_per_head"):
+            assert res[key].shape == ref[key].shape
+            torch.testing.assert_close(res[key], ref[key], atol=1e-9, rtol=0)
+        assert res["hf_sparsity"] == pytest.approx(ref["hf_sparsity"], abs=1e-9)
+        torch.testing.assert_close(res["fast_sparsity"], ref["fast_sparsity"], atol=1e-9, rtol=0)
+        if "alpha" in ref:
+            torch.testing.assert_close(res["alpha"], ref["alpha"], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(res["beta"], ref["beta"], atol=1e-5, rtol=1e-5)
+    if name not in ("full", "skipsoftmax"):  # sparsity is 0 by definition / at these tiny lengths
+        assert ref["fast_sparsity"].min() > 0
+
+
+@pytest.mark.parametrize("name", ["topk", "sift", "toptheta"])
+def test_a_device_map_with_a_layer_on_disk_gives_the_same_results(tmp_path, name):
+    from transformers import AutoModelForCausalLM
+
+    model = tiny_llama(heads=4, kv_heads=2)
+    model.save_pretrained(tmp_path / "model")
+    device_map = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.layers.0": "cpu",
+                  "model.layers.1": "disk", "model.norm": "cpu", "lm_head": "cpu"}
+    dispatched = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "model", device_map=device_map, offload_folder=tmp_path / "offload", dtype=torch.float32).eval()
+    assert type(dispatched.model.layers[1]._hf_hook).__name__ == "AlignDevicesHook"
+    ids, mask, calibration = _inputs()
+    results = []
+    for m in (model, dispatched):
+        method = _methods()[name]
+        if isinstance(method, TopTheta):
+            method.calibrate(m, calibration)
+        with apply(m, method) as handle, torch.inference_mode():
+            tokens = m.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, min_new_tokens=NEW)
+            results.append((tokens, handle.stats.per_head()))
+        if m is dispatched:
+            with pytest.warns(UserWarning, match="device map spreads it over cpu, disk") as record:
+                fast = generate(m, ids, mask, method, max_new_tokens=NEW)
+            assert len([w for w in record if "siftattention" in str(w.message)]) == 1
+            assert not fast.fast
+        else:
+            fast = generate(m, ids, mask, method, max_new_tokens=NEW)
+        results[-1] += (fast.sequences,)
+    assert torch.equal(results[0][0], results[1][0])
+    torch.testing.assert_close(results[0][1], results[1][1], atol=1e-9, rtol=0)
+    assert torch.equal(results[0][2], results[1][2])  # the fast loop, and transformers' generate where it falls back
+    assert float(results[0][1].mean()) > 0
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
+    _worker(*sys.argv[2:4])
