@@ -83,6 +83,14 @@ def _worker(model_dir: str, out_dir: str) -> None:
     local_heads = attn.q_proj.weight.to_local().shape[0] // attn.head_dim
     res = _run(model)
     res["local_heads"] = local_heads
+    # Thresholds calibrated on the whole model cover other heads than this rank's: apply calibrates again.
+    whole = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    foreign = TopTheta(k=4, first_layers=0, calib_seqs=1, calib_len=64).calibrate(whole, _inputs()[2])
+    before = foreign.thresholds.shape[1]
+    model._siftattention_tokenizer = lambda text, add_special_tokens: {"input_ids": [2 + b % 88 for b in text.encode()]}
+    with apply(model, foreign), torch.inference_mode():
+        model(_inputs()[0])
+    res["threshold_heads"] = (before, foreign.thresholds.shape[1])
     torch.save(res, Path(out_dir) / f"rank{rank}.pt")
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
@@ -108,6 +116,12 @@ def tensor_parallel_run(request, tmp_path_factory):
 def test_every_rank_holds_a_shard_of_the_heads(tensor_parallel_run):
     _, ranks = tensor_parallel_run
     assert [r["local_heads"] for r in ranks] == [4 // RANKS] * RANKS
+
+
+def test_top_theta_calibrates_again_for_a_rank_s_heads(tensor_parallel_run):
+    _, ranks = tensor_parallel_run
+    for rank in ranks:  # calibrated on the whole model's 4 heads, then on the rank's 2 (on a byte-level corpus)
+        assert rank["threshold_heads"] == (4, 4 // RANKS)
 
 
 @pytest.mark.parametrize("name", list(_methods()))

@@ -39,7 +39,9 @@ def _check_int(name: str, value: object, low: int) -> int:
 
 def _model_key(model: Any) -> tuple:
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    return (getattr(model.config, "_name_or_path", ""), config.num_hidden_layers, config.num_attention_heads)
+    # The tensor-parallel degree too: a rank's thresholds cover its own heads only.
+    return (getattr(model.config, "_name_or_path", ""), config.num_hidden_layers, config.num_attention_heads,
+            getattr(model, "_tp_size", None) or 1)
 
 
 def _lookup(thresholds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
