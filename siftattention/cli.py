@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -64,11 +65,14 @@ def prepare_methods(model, methods: list) -> None:
 
 def _load(model_name: str):
     from .models import load_model
+    from .parallel import launched_by_torchrun
 
+    ranks = int(os.environ.get("WORLD_SIZE", "1"))
     with console.status(f"loading {model_name} ..."):
         start = time.perf_counter()
-        model, tokenizer = load_model(model_name)
-    console.print(f"model: {model_name} ({type(model).__name__}) loaded in {time.perf_counter() - start:.1f} s")
+        model, tokenizer = load_model(model_name, tensor_parallel=launched_by_torchrun())
+    sharded = f", heads sharded over {ranks} tensor-parallel ranks" if launched_by_torchrun() else ""
+    console.print(f"model: {model_name} ({type(model).__name__}{sharded}) loaded in {time.perf_counter() - start:.1f} s")
     return model, tokenizer
 
 
@@ -80,6 +84,7 @@ def run_ppl(
 
     from .data import load_corpus, token_windows
     from .eval.perplexity import evaluate_perplexity
+    from .parallel import is_main_rank
     from .report import check_out_dir, plot_ppl_vs_sparsity, remove_stale, results_table, versions, write_json
 
     # Every cheap check before the model load: specs, data, the output directory.
@@ -113,11 +118,12 @@ def run_ppl(
         "elapsed_s": round(time.perf_counter() - start, 1),
         "results": rows,
     }
-    write_json(out / "results.json", payload)
     console.print(results_table(rows, title=f"{model_name} / {dataset}, {num_seqs} x {seq_len} tokens (W = {warm})"))
-    plot = plot_ppl_vs_sparsity(rows, out / "ppl_vs_sparsity.png", f"{model_name} on {dataset}, seq-len {seq_len}")
-    remove_stale(out, ["ppl_vs_sparsity.png"], keep=[plot])
-    console.print(f"wrote {out / 'results.json'}" + (f" and {plot}" if plot else ""))
+    if is_main_rank():  # under torchrun every rank has the same results; one writes them
+        write_json(out / "results.json", payload)
+        plot = plot_ppl_vs_sparsity(rows, out / "ppl_vs_sparsity.png", f"{model_name} on {dataset}, seq-len {seq_len}")
+        remove_stale(out, ["ppl_vs_sparsity.png"], keep=[plot])
+        console.print(f"wrote {out / 'results.json'}" + (f" and {plot}" if plot else ""))
     return payload
 
 
@@ -153,6 +159,7 @@ def generate_text(model, tokenizer, prompt: str, spec: str, max_new_tokens: int,
         ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True)
     else:
         ids = tokenizer(prompt, return_tensors="pt")
+    ids = ids.to(model.device)  # a tensor-parallel rank's model is on that rank's device
     method = parse_method(spec)
     prepare_methods(model, [(spec, method)])
     with apply(model, method) as handle, torch.no_grad():
@@ -163,10 +170,26 @@ def generate_text(model, tokenizer, prompt: str, spec: str, max_new_tokens: int,
     return complete_text(tokenizer, out[0, ids["input_ids"].shape[1] :]), sparsity, post
 
 
+#: The commands that run under ``torchrun`` (the model's heads sharded over the ranks, rank 0 prints and writes).
+TENSOR_PARALLEL_COMMANDS = ("ppl", "generate", "demo", "models")
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="siftattention")
-def cli() -> None:
-    """SiftAttention: power-law guided sparse attention for LLM decoding."""
+@click.pass_context
+def cli(ctx: click.Context) -> None:
+    """SiftAttention: power-law guided sparse attention for LLM decoding.
+
+    Under torchrun, ppl, generate and demo shard the model's heads over the ranks
+    (tensor parallelism); rank 0 prints and writes.
+    """
+    from .parallel import is_main_rank, launched_by_torchrun
+
+    if launched_by_torchrun():
+        console.quiet = err_console.quiet = not is_main_rank()
+        if ctx.invoked_subcommand not in TENSOR_PARALLEL_COMMANDS:
+            raise click.UsageError(f"sift {ctx.invoked_subcommand} does not run under torchrun; "
+                                   f"{', '.join(TENSOR_PARALLEL_COMMANDS[:-1])} do (tensor parallelism)")
 
 
 @cli.command(help="Teacher-forced perplexity of several methods against their realized sparsity.\n\n\b\n" + SPEC_HELP)

@@ -17,6 +17,7 @@ import contextlib
 import functools
 import importlib.util
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -114,9 +115,16 @@ def _unknown_model(name: str, why: str) -> ModelNotFoundError:
 
 
 def load_model(
-    name_or_path: str = DEFAULT_MODEL, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    name_or_path: str = DEFAULT_MODEL, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+    tensor_parallel: bool = False,
 ):
-    """Load ``(model, tokenizer)`` by embedded name, local directory or hub id; model in eval mode."""
+    """Load ``(model, tokenizer)`` by embedded name, local directory or hub id; model in eval mode.
+
+    ``tensor_parallel``: shard the heads over the ranks of a ``torchrun`` launch
+    (transformers' ``tp_plan="auto"``; each rank on its own device, ``device`` unused).
+    """
+    if tensor_parallel and not torch.distributed.is_available():
+        raise ValueError("tensor parallelism needs torch.distributed, which this torch build lacks")
     kwargs: dict = {}
     if name_or_path in EMBEDDED:
         directory, gguf_file = EMBEDDED[name_or_path].locate()
@@ -137,7 +145,7 @@ def load_model(
                 raise _unknown_model(name_or_path, f"not in the local hub cache with the hub ({constants.ENDPOINT}) unreachable")
             kwargs = {"local_files_only": True}
     with _quiet_loading(), _memoized_gguf():
-        return _load(name_or_path, source, kwargs, dtype, device)
+        return _load(name_or_path, source, kwargs, dtype, None if tensor_parallel else device, tensor_parallel)
 
 
 @contextlib.contextmanager
@@ -207,12 +215,14 @@ def _quiet_loading():
             gguf_utils.tqdm = gguf_tqdm
 
 
-def _load(name_or_path: str, source: str, kwargs: dict, dtype: torch.dtype, device):
+def _load(name_or_path: str, source: str, kwargs: dict, dtype: torch.dtype, device, tensor_parallel: bool = False):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs)
+        with warnings.catch_warnings():  # tp_plan's deprecation in favour of a DistributedConfig (5.18+); both accept it
+            warnings.simplefilter("ignore", FutureWarning)
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs, **({"tp_plan": "auto"} if tensor_parallel else {}))
     except (OSError, ValueError) as err:
         if name_or_path in EMBEDDED or Path(name_or_path).is_dir():
             raise
@@ -220,7 +230,7 @@ def _load(name_or_path: str, source: str, kwargs: dict, dtype: torch.dtype, devi
             name_or_path, f"not loadable from the hub ({type(err).__name__}: {str(err).splitlines()[0][:200]})"
         ) from None
     model._siftattention_tokenizer = tokenizer  # for methods that calibrate on text (Top-theta)
-    return model.to(device).eval(), tokenizer
+    return (model if device is None else model.to(device)).eval(), tokenizer
 
 
 def tokenizer_for(model: torch.nn.Module) -> Any:

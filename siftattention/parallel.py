@@ -14,10 +14,21 @@ their state where the layer's query is, and the kernels launch on that device.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+
+def launched_by_torchrun() -> bool:
+    """Whether this process is one of several ranks started by ``torchrun`` (its WORLD_SIZE > 1)."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def is_main_rank() -> bool:
+    """Rank 0 of a ``torchrun`` launch, or a process that is not one: the one that prints and writes."""
+    return int(os.environ.get("RANK", "0")) == 0
 
 
 def tensor_parallel_group(model: torch.nn.Module) -> Any:

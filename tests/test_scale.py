@@ -180,5 +180,43 @@ def test_a_device_map_with_a_layer_on_disk_gives_the_same_results(tmp_path, name
     assert float(results[0][1].mean()) > 0
 
 
+def test_sift_ppl_under_torchrun_shards_the_embedded_model_and_rank_0_alone_reports(embedded, tmp_path):
+    from siftattention.data import load_corpus, token_windows
+    from siftattention.eval.perplexity import evaluate_perplexity
+    from siftattention.methods import parse_method
+
+    specs = ["full", "sift:tau=0.875,warmup=32,renormalize=true"]
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3", "-m", "siftattention.cli",
+           "ppl", "--seq-len", "128", "--num-seqs", "1", *[a for spec in specs for a in ("--method", spec)], "--out", str(tmp_path / "out")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("heads sharded over 3 tensor-parallel ranks") == 1
+    assert proc.stdout.count("smollm2-135m / wikitext2, 1 x 128 tokens") == 1  # one table: rank 0's
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["results.json"]
+    rows = json.loads((tmp_path / "out" / "results.json").read_text())["results"]
+    model, tokenizer = embedded
+    windows = token_windows(load_corpus("wikitext2").text, tokenizer, 128, 1)
+    single, _ = evaluate_perplexity(model, windows, [(spec, parse_method(spec)) for spec in specs])
+    for row, ref in zip(rows, single):
+        assert row["method"] == ref.method
+        assert row["ppl"] == pytest.approx(ref.ppl, rel=1e-5)
+        assert row["realized_sparsity"] == pytest.approx(ref.realized_sparsity, abs=1e-6)
+    assert rows[1]["realized_sparsity"] > 0.3
+
+
+def test_commands_that_do_not_shard_refuse_torchrun_in_one_line(monkeypatch, capsys):
+    from siftattention.cli import main
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["eval", "ifeval", "--method", "full"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("sift: error: sift eval does not run under torchrun; ppl, generate, demo do") and "\n" not in err
+
+
 if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
     _worker(*sys.argv[2:4])
