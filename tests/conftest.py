@@ -34,23 +34,23 @@ def run_interpreted(test_file: str, flag: str) -> dict:
     return run_json_script(test_file, flag, interpret=True)
 
 
-def tiny_llama(seed: int = 0, layers: int = 2, heads: int = 4, kv_heads: int = 2):
+def tiny_llama(seed: int = 0, layers: int = 2, heads: int = 4, kv_heads: int = 2, vocab: int = 97):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(
-        vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=heads,
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=heads,
         num_key_value_heads=kv_heads, max_position_embeddings=512, pad_token_id=0, eos_token_id=96, bos_token_id=1,
     )
     return LlamaForCausalLM(cfg).eval()
 
 
-def tiny_qwen2(seed: int = 0, kv_heads: int = 1):
+def tiny_qwen2(seed: int = 0, kv_heads: int = 1, vocab: int = 97):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
     cfg = Qwen2Config(
-        vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=kv_heads, max_position_embeddings=512, pad_token_id=0, eos_token_id=96, bos_token_id=1,
     )
     return Qwen2ForCausalLM(cfg).eval()
