@@ -67,12 +67,12 @@ def _load(model_name: str):
     from .models import load_model
     from .parallel import launched_by_torchrun
 
-    ranks = int(os.environ.get("WORLD_SIZE", "1"))
+    sharded = launched_by_torchrun()
     with console.status(f"loading {model_name} ..."):
         start = time.perf_counter()
-        model, tokenizer = load_model(model_name, tensor_parallel=launched_by_torchrun())
-    sharded = f", heads sharded over {ranks} tensor-parallel ranks" if launched_by_torchrun() else ""
-    console.print(f"model: {model_name} ({type(model).__name__}{sharded}) loaded in {time.perf_counter() - start:.1f} s")
+        model, tokenizer = load_model(model_name, tensor_parallel=sharded)
+    sharded_over = f", heads sharded over {os.environ['WORLD_SIZE']} tensor-parallel ranks" if sharded else ""
+    console.print(f"model: {model_name} ({type(model).__name__}{sharded_over}) loaded in {time.perf_counter() - start:.1f} s")
     return model, tokenizer
 
 

@@ -69,7 +69,10 @@ class SiftStats:
         return sorted(self._handle.records)
 
     def state(self, layer: int) -> Any:
-        """The method's state of one layer (for Sift: thetas, theta_steps, alpha, beta, r2); this rank's heads under tensor parallelism."""
+        """The method's state of one layer (for Sift: thetas, theta_steps, alpha, beta, r2).
+
+        Under tensor parallelism, the state of this rank's heads only.
+        """
         return self._handle.states.get(layer)
 
     def _stack(self, attr: str) -> torch.Tensor:
@@ -80,7 +83,8 @@ class SiftStats:
                 if not states
                 else f"{self._handle.method.name} keeps no {attr}"
             )
-        local = torch.stack([getattr(states[layer], attr) for layer in sorted(states)])
+        # To the host layer by layer: under a device map the layers' states live on different devices.
+        local = torch.stack([getattr(states[layer], attr).cpu() for layer in sorted(states)])
         return gather_heads(local, self._handle.tp_group, dim=2)
 
     @property
