@@ -13,6 +13,8 @@ weights in one process on one device: tokens, per-head realized sparsity.
 1. Device map: with two GPUs visible, layers 0-1 on cuda:0 and 2-3 on cuda:1; with one,
    layers 2-3 offloaded to the CPU (accelerate streams their weights in at each forward).
    ``siftattention.generate`` falls back to transformers' generate with its one-line warning.
+   Then a device map that puts the whole model on cuda:0 (what ``device_map="auto"`` does
+   where it fits): the fast loop serves it, CUDA graphs and all.
 2. Tensor parallelism (two GPUs): the script starts itself under ``torch.distributed.run``
    with two ranks over NCCL, each holding half of the heads; the fast loop captures its
    CUDA graphs with the all-reduces inside. With one GPU it is skipped: NCCL refuses two
@@ -130,7 +132,12 @@ def device_map_check(directory: Path) -> dict:
     del plain
     dispatched = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, device_map=device_map).eval()
     test = run_methods(dispatched, torch.device("cuda:0"))
-    return {"layout": "layers 2-3 on cuda:1" if two else "layers 2-3 offloaded to the CPU", "methods": compare(test, ref)}
+    del dispatched
+    # device_map="auto" where the model fits on cuda:0: one device, so the fast loop (CUDA graphs) serves it.
+    whole = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, device_map={"": "cuda:0"}).eval()
+    one_device = run_methods(whole, torch.device("cuda:0"))
+    return {"layout": "layers 2-3 on cuda:1" if two else "layers 2-3 offloaded to the CPU", "methods": compare(test, ref),
+            "one_device_methods": compare(one_device, ref)}
 
 
 def tensor_parallel_worker(directory: str, out: str) -> None:
@@ -167,7 +174,8 @@ def tensor_parallel_check(directory: Path, work: Path) -> dict:
 def table(results: dict) -> str:
     lines = ["| check | method | heads | hf tokens equal | fast tokens equal | fast path | per-head diff | sparsity |",
              "|---|---|---|---|---|---|---|---|"]
-    blocks = [("device map: " + results["device_map"]["layout"], results["device_map"]["methods"])]
+    blocks = [("device map: " + results["device_map"]["layout"], results["device_map"]["methods"]),
+              ("device map: the whole model on cuda:0", results["device_map"]["one_device_methods"])]
     tp = results["tensor_parallel"]
     for r in tp.get("ranks", []):
         blocks.append((f"TP rank of 2 ({tp['backend']}, {r['device']})", r["methods"]))

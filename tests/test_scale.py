@@ -22,6 +22,7 @@ import torch
 from conftest import tiny_llama, tiny_qwen2
 from siftattention import H2O, Full, Oracle, SkipSoftmax, Sift, TopK, TopTheta, apply
 from siftattention.generation import generate
+from siftattention.parallel import device_map_devices
 
 NEW = 10
 RANKS = 2
@@ -179,6 +180,31 @@ def test_a_device_map_with_a_layer_on_disk_gives_the_same_results(tmp_path, name
     torch.testing.assert_close(results[0][1], results[1][1], atol=1e-9, rtol=0)
     assert torch.equal(results[0][2], results[1][2])  # the fast loop, and transformers' generate where it falls back
     assert float(results[0][1].mean()) > 0
+
+
+def test_device_map_devices_names_each_device_once_in_order():
+    model = torch.nn.Linear(1, 1)
+    assert device_map_devices(model) == []
+    model.hf_device_map = {"model.embed_tokens": 0, "model.layers.0": 0, "model.layers.1": 1, "lm_head": "cpu", "x": "disk"}
+    assert device_map_devices(model) == ["cuda:0", "cuda:1", "cpu", "disk"]
+    model.hf_device_map = {"": "cuda:0"}
+    assert device_map_devices(model) == ["cuda:0"]
+
+
+def test_a_device_map_on_one_device_keeps_the_fast_loop(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = tiny_llama(heads=4, kv_heads=2)
+    model.save_pretrained(tmp_path / "model")
+    mapped = AutoModelForCausalLM.from_pretrained(tmp_path / "model", device_map="auto", dtype=torch.float32).eval()
+    assert len(device_map_devices(mapped)) <= 1  # transformers records {"": "cpu"} or, from 5.23, no map at all
+    ids, mask, _ = _inputs()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback warning
+        mapped_run = generate(mapped, ids, mask, Sift(tau=0.75, warmup=4), max_new_tokens=NEW)
+    plain_run = generate(model, ids, mask, Sift(tau=0.75, warmup=4), max_new_tokens=NEW)
+    assert mapped_run.fast and torch.equal(mapped_run.sequences, plain_run.sequences)
+    torch.testing.assert_close(mapped_run.stats.per_head(), plain_run.stats.per_head(), atol=1e-9, rtol=0)
 
 
 def test_sift_ppl_under_torchrun_shards_the_embedded_model_and_rank_0_alone_reports(embedded, tmp_path):
