@@ -251,10 +251,10 @@ def method_attention(
             if record is not None:
                 kept = (sel.keep & row_valid).sum(-1) if sel.keep is not None else steps[:, None, :].expand(B, Hq, -1)
                 record.add(steps, kept, sel.approx & is_step)
-        out[:, :, r0:r1] = torch.matmul(weights.to(v_rep.dtype), v_rep[:, :, :kmax])
         if method.vmc and not prefill:
-            # The pruned probability mass goes to the mean of the row's valid value rows.
+            # The pruned probability mass goes to the mean of the row's valid value rows: an equal
+            # share on every valid key's weight, so the value rows are read once.
             lost = 1.0 - weights.sum(-1, keepdim=True)
-            mean_rows = row_valid.float() / steps.clamp(min=1)[:, None, :, None]
-            out[:, :, r0:r1] += (lost * torch.matmul(mean_rows, v_rep[:, :, :kmax].float())).to(out.dtype)
+            weights = weights + lost * row_valid / steps.clamp(min=1)[:, None, :, None]
+        out[:, :, r0:r1] = torch.matmul(weights.to(v_rep.dtype), v_rep[:, :, :kmax])
     return out

@@ -209,17 +209,14 @@ class TopTheta(Method):
         from ..kernels.torch_ref import _apply_v, _kept_weights, _probs, _scores
 
         scores, valid = _scores(query, k_cache, kernels.scale, keys.seq_lens, keys.starts)
+        probs = _probs(scores)
         steps = keys.steps()
         theta = _lookup(state.thresholds, steps)[..., None]  # [B, H, 1]
-        keep = (scores > theta) | theta.isnan()
-        keep.scatter_(-1, scores.argmax(dim=-1, keepdim=True), True)
-        keep &= valid
-        weights = _kept_weights(_probs(scores), keep, self.renormalize)
-        out = _apply_v(weights, v_cache)
-        if self.vmc:
-            lost = 1.0 - weights.sum(-1, keepdim=True)
-            out = out + lost * _apply_v(valid.float() / steps.float()[:, None, None], v_cache)
-        return DecodeOutput(out.to(query.dtype), keep.sum(-1, dtype=torch.int32), True)
+        keep = keep_row_max(probs, (scores > theta) | theta.isnan(), valid)
+        weights = _kept_weights(probs, keep, self.renormalize)
+        if self.vmc:  # the pruned mass as an equal share on every valid key: V is read once
+            weights = weights + (1.0 - weights.sum(-1, keepdim=True)) * valid / steps.float()[:, None, None]
+        return DecodeOutput(_apply_v(weights, v_cache).to(query.dtype), keep.sum(-1, dtype=torch.int32), True)
 
 
 __all__ = ["CalibrationError", "TopTheta"]
