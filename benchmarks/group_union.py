@@ -1,0 +1,139 @@
+"""How many V rows does a KV group read? Real models, teacher-forced, CPU.
+
+A decode kernel reads a V row once for its KV group when any query head of the group keeps
+the key, so the V traffic of a sparse step is the union of the group's kept sets, not one
+head's share. With independent heads keeping a fraction f each, a group of g heads reads
+``1 - (1 - f)^g`` of the rows (41% for g = 4 at f = 0.125); heads that attend to the same keys
+read fewer. The GPU benchmarks plant attention with independent heads by default
+(``bench_generate.py --head-corr 0``, ``bench_decode.py --group-corr 0``). This script measures
+the union on the embedded GQA models over WikiText-2: per layer and overall, over the rows the
+method approximates (after Sift's warmup), the kept fraction per query head, the fraction of V
+rows the group reads, and what independent heads keeping the same per-head fractions would read.
+
+    .venv/bin/python benchmarks/group_union.py --seq-len 2048 --num-seqs 4 --out union_smollm2.json
+    .venv/bin/python benchmarks/group_union.py --model gemma3-270m --seq-len 2048 --num-seqs 4   # after make gemma
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from siftattention import Oracle, Sift, TopK, apply
+from siftattention.data import load_corpus, token_windows
+from siftattention.methods.base import Method, Rows, Selection
+from siftattention.models import DEFAULT_MODEL, load_model
+
+
+@dataclass
+class LayerUnion:
+    """Sums over the approximated rows of one layer (one term per (sequence, KV head, row))."""
+
+    rows: int = 0
+    kept_per_head: float = 0.0
+    union: float = 0.0
+    independent: float = 0.0
+
+
+class UnionProbe(Method):
+    """Runs ``inner`` unchanged and records, per layer, the group union of its kept keys."""
+
+    def __init__(self, inner: Method) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.warmup = inner.warmup
+        self.renormalize = inner.renormalize
+        self.vmc = inner.vmc
+        self.layers: dict[int, LayerUnion] = {}
+
+    def new_state(self, batch: int, heads: int, device: torch.device, layer: int = 0) -> Any:
+        return (self.inner.new_state(batch, heads, device, layer), layer)
+
+    def select(self, rows: Rows, state: Any) -> Selection:
+        inner_state, layer = state
+        sel = self.inner.select(rows, inner_state)
+        if sel.keep is None:
+            return sel
+        B, H, R, K = sel.keep.shape
+        g = rows.groups
+        keep = (sel.keep & rows.valid).view(B, H // g, g, R, K)
+        n = rows.valid[:, 0].sum(-1).clamp(min=1).double()  # [B, R] valid keys per row
+        frac = keep.sum(-1).double() / n[:, None, None, :]  # [B, Hkv, g, R]
+        union = keep.any(dim=2).sum(-1).double() / n[:, None, :]  # [B, Hkv, R]
+        independent = 1 - (1 - frac).prod(dim=2)
+        use = (sel.approx & rows.is_step)[:, None, :].expand(B, H // g, R)
+        acc = self.layers.setdefault(layer, LayerUnion())
+        acc.rows += int(use.sum())
+        acc.kept_per_head += float(frac.mean(dim=2)[use].sum())
+        acc.union += float(union[use].sum())
+        acc.independent += float(independent[use].sum())
+        return sel
+
+
+def parse_method(spec: str) -> Method:
+    name, _, params = spec.partition(":")
+    kw = {}
+    for part in filter(None, params.split(",")):
+        key, _, value = part.partition("=")
+        kw[key] = float(value) if "." in value else int(value)
+    return {"sift": Sift, "oracle": Oracle, "topk": TopK}[name](**kw)
+
+
+def summary(layers: dict[int, LayerUnion]) -> dict:
+    def ratios(acc: LayerUnion) -> dict:
+        r = max(acc.rows, 1)
+        return dict(rows=acc.rows, kept_per_head=acc.kept_per_head / r, v_rows_read=acc.union / r,
+                    independent_heads=acc.independent / r, union_vs_independent=acc.union / max(acc.independent, 1e-30))
+    total = LayerUnion()
+    for acc in layers.values():
+        total.rows += acc.rows
+        total.kept_per_head += acc.kept_per_head
+        total.union += acc.union
+        total.independent += acc.independent
+    return dict(overall=ratios(total), per_layer={str(k): ratios(v) for k, v in sorted(layers.items())})
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=DEFAULT_MODEL)
+    ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--num-seqs", type=int, default=4)
+    ap.add_argument("--methods", nargs="+", default=["sift:tau=0.875,warmup=128", "oracle:tau=0.875", "topk:k=0.125"])
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    methods = [parse_method(m) for m in args.methods]  # bad specs fail before the model loads
+    t0 = time.time()
+    model, tok = load_model(args.model)
+    cfg = model.config.get_text_config()
+    groups = cfg.num_attention_heads // cfg.num_key_value_heads
+    ids = token_windows(load_corpus("wikitext2").text, tok, args.seq_len, args.num_seqs)
+    res = dict(model=args.model, seq_len=args.seq_len, num_seqs=args.num_seqs, query_heads=cfg.num_attention_heads,
+               kv_heads=cfg.num_key_value_heads, group=groups, date=time.strftime("%Y-%m-%d"),
+               torch=torch.__version__, methods={})
+    for spec, method in zip(args.methods, methods):
+        probe = UnionProbe(method)
+        for w in range(args.num_seqs):
+            with apply(model, probe), torch.no_grad():
+                model(ids[w : w + 1])
+            print(f"  {spec}: window {w + 1}/{args.num_seqs} ({time.time() - t0:.0f} s)", flush=True)
+        res["methods"][spec] = summary(probe.layers)
+    res["seconds"] = round(time.time() - t0, 1)
+    print(f"\n{args.model}: {cfg.num_attention_heads} query heads / {cfg.num_key_value_heads} KV heads (group {groups}), "
+          f"{args.num_seqs} x {args.seq_len} WikiText-2 tokens, teacher-forced")
+    print("| method | kept per query head | V rows the group reads | independent heads would read | ratio |")
+    print("|---|---|---|---|---|")
+    for spec, m in res["methods"].items():
+        o = m["overall"]
+        print(f"| {spec} | {o['kept_per_head']:.4f} | {o['v_rows_read']:.4f} | {o['independent_heads']:.4f} | {o['union_vs_independent']:.3f} |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
