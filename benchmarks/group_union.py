@@ -24,8 +24,9 @@ from typing import Any
 
 import torch
 
-from siftattention import Oracle, Sift, TopK, apply
+from siftattention import apply
 from siftattention.data import load_corpus, token_windows
+from siftattention.methods import parse_method
 from siftattention.methods.base import Method, Rows, Selection
 from siftattention.models import DEFAULT_MODEL, load_model
 
@@ -75,15 +76,6 @@ class UnionProbe(Method):
         return sel
 
 
-def parse_method(spec: str) -> Method:
-    name, _, params = spec.partition(":")
-    kw = {}
-    for part in filter(None, params.split(",")):
-        key, _, value = part.partition("=")
-        kw[key] = float(value) if "." in value else int(value)
-    return {"sift": Sift, "oracle": Oracle, "topk": TopK}[name](**kw)
-
-
 def summary(layers: dict[int, LayerUnion]) -> dict:
     def ratios(acc: LayerUnion) -> dict:
         r = max(acc.rows, 1)
@@ -106,7 +98,10 @@ def main() -> None:
     ap.add_argument("--methods", nargs="+", default=["sift:tau=0.875,warmup=128", "oracle:tau=0.875", "topk:k=0.125"])
     ap.add_argument("--out")
     args = ap.parse_args()
-    methods = [parse_method(m) for m in args.methods]  # bad specs fail before the model loads
+    try:  # bad specs fail before the model loads
+        methods = [parse_method(m) for m in args.methods]
+    except ValueError as err:
+        ap.error(str(err))
     t0 = time.time()
     model, tok = load_model(args.model)
     cfg = model.config.get_text_config()
