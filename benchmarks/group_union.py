@@ -63,7 +63,7 @@ class UnionProbe(Method):
         B, H, R, K = sel.keep.shape
         g = rows.groups
         keep = (sel.keep & rows.valid).view(B, H // g, g, R, K)
-        n = rows.valid[:, 0].sum(-1).clamp(min=1).double()  # [B, R] valid keys per row
+        n = rows.steps.clamp(min=1).double()  # [B, R] valid keys per row
         frac = keep.sum(-1).double() / n[:, None, None, :]  # [B, Hkv, g, R]
         union = keep.any(dim=2).sum(-1).double() / n[:, None, :]  # [B, Hkv, R]
         independent = 1 - (1 - frac).prod(dim=2)

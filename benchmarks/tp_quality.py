@@ -43,15 +43,11 @@ def evaluate(model, tokenizer, seq_len: int, num_seqs: int) -> list[dict]:
 
 def worker(out: str, seq_len: int, num_seqs: int) -> None:
     import torch.distributed as dist
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from siftattention.models import EMBEDDED
+    from siftattention.models import load_model
 
     warnings.filterwarnings("ignore")
-    directory, gguf_file = EMBEDDED["smollm2-135m"].locate()
-    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file)
-    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf_file, tp_plan="auto", dtype=torch.float32).eval()
-    model._siftattention_tokenizer = tokenizer  # Top-theta calibrates on text
+    model, tokenizer = load_model("smollm2-135m", tensor_parallel=True)
     heads = model.model.layers[0].self_attn.q_proj.weight.to_local().shape[0] // model.model.layers[0].self_attn.head_dim
     start = time.perf_counter()
     rows = evaluate(model, tokenizer, seq_len, num_seqs)

@@ -170,8 +170,8 @@ def generate_text(model, tokenizer, prompt: str, spec: str, max_new_tokens: int,
     return complete_text(tokenizer, out[0, ids["input_ids"].shape[1] :]), sparsity, post
 
 
-#: The commands that run under ``torchrun`` (the model's heads sharded over the ranks, rank 0 prints and writes).
-TENSOR_PARALLEL_COMMANDS = ("ppl", "generate", "demo", "models")
+#: The commands that shard the model's heads over the ranks of a ``torchrun`` launch (rank 0 prints and writes).
+TENSOR_PARALLEL_COMMANDS = ("ppl", "generate", "demo")
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -187,9 +187,9 @@ def cli(ctx: click.Context) -> None:
 
     if launched_by_torchrun():
         console.quiet = err_console.quiet = not is_main_rank()
-        if ctx.invoked_subcommand not in TENSOR_PARALLEL_COMMANDS:
+        if ctx.invoked_subcommand not in (*TENSOR_PARALLEL_COMMANDS, "models"):  # models loads nothing
             raise click.UsageError(f"sift {ctx.invoked_subcommand} does not run under torchrun; "
-                                   f"{', '.join(TENSOR_PARALLEL_COMMANDS[:-1])} do (tensor parallelism)")
+                                   f"{', '.join(TENSOR_PARALLEL_COMMANDS)} do (tensor parallelism)")
 
 
 @cli.command(help="Teacher-forced perplexity of several methods against their realized sparsity.\n\n\b\n" + SPEC_HELP)

@@ -184,9 +184,8 @@ class DecodeKernels:
                starts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Sift step: out [B, Hq, D] (q's dtype) and kept [B, Hq] int32 (keys kept per head)."""
         if self.backend == "triton":
-            with on_device(self.device):
-                return self._td.sparse(self.geometry, self.workspace, q, k_cache, v_cache, eta, self.scale, seq_lens,
-                                       starts, self.renormalize, self.config)
+            return self._launch(self._td.sparse, q, k_cache, v_cache, eta, self.scale, seq_lens, starts,
+                                self.renormalize, self.config)
         if isinstance(eta, PowerLawThreshold):
             eta = eta.eta()
         if self.backend == "cpu":
@@ -206,17 +205,17 @@ class DecodeKernels:
         (``anchored_onepass``).
         """
         if self.backend == "triton":
-            with on_device(self.device):
-                if not (self.anchored_onepass if onepass is None else onepass):
-                    return self._td.sparse(self.geometry, self.workspace, q, k_cache, v_cache, threshold, self.scale,
-                                           seq_lens, starts, self.renormalize, self.config, anchors=(gap, first, last))
-                run = self._onepass.get((first, last))
-                if run is None:  # planned on the first (eager) call, never inside a captured step
-                    from .triton_onepass import OnePassPlan
+            if not (self.anchored_onepass if onepass is None else onepass):
+                return self._launch(self._td.sparse, q, k_cache, v_cache, threshold, self.scale, seq_lens, starts,
+                                    self.renormalize, self.config, anchors=(gap, first, last))
+            run = self._onepass.get((first, last))
+            if run is None:  # planned on the first (eager) call, never inside a captured step
+                from .triton_onepass import OnePassPlan
 
-                    run = self._onepass[(first, last)] = OnePassPlan(
-                        self.batch, self.q_heads, self.kv_heads, self.max_len, self.head_dim, self.dtype, self.device,
-                        first, last, self.config)
+                run = self._onepass[(first, last)] = OnePassPlan(
+                    self.batch, self.q_heads, self.kv_heads, self.max_len, self.head_dim, self.dtype, self.device,
+                    first, last, self.config)
+            with on_device(self.device):
                 return run(q, k_cache, v_cache, threshold, gap, self.scale, seq_lens, starts, self.renormalize)
         log_eta = threshold.log_alpha - threshold.beta * threshold.log_steps[:, None]
         if self.backend == "cpu":
@@ -235,17 +234,14 @@ class DecodeKernels:
         in the workspace (same q, cache and key range); elsewhere it scores the keys again.
         """
         if self.backend == "triton":
-            with on_device(self.device):
-                return self._td.warmup_gap(self.geometry, self.workspace, seq_lens, starts, first, last, self.config)
+            return self._launch(self._td.warmup_gap, seq_lens, starts, first, last, self.config)
         return anchor_gap_torch(q, k_cache, self.scale, seq_lens, starts, first, last)
 
     def dense(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
               starts: torch.Tensor | None = None) -> torch.Tensor:
         """Exact attention over the valid keys: out [B, Hq, D] (q's dtype)."""
         if self.backend == "triton":
-            with on_device(self.device):
-                return self._td.dense(self.geometry, self.workspace, q, k_cache, v_cache, self.scale, seq_lens, starts,
-                                      self.config)
+            return self._launch(self._td.dense, q, k_cache, v_cache, self.scale, seq_lens, starts, self.config)
         if self.backend == "cpu":
             return self._cpu.dense_decode_cpu(q, k_cache, v_cache, self.scale, seq_lens, starts)
         return dense_decode_torch(q, k_cache, v_cache, self.scale, seq_lens, starts)
@@ -265,12 +261,15 @@ class DecodeKernels:
             if tau_t is None:  # filled once (the first, eager step), never inside a captured step
                 tau_t = self._taus[float(tau)] = torch.full((self.batch, self.q_heads), float(tau), dtype=torch.float64, device=self.device)
         if self.backend == "triton":
-            with on_device(self.device):
-                return self._td.warmup(self.geometry, self.workspace, q, k_cache, v_cache, tau_t, self.scale, seq_lens,
-                                       starts, self.config)
+            return self._launch(self._td.warmup, q, k_cache, v_cache, tau_t, self.scale, seq_lens, starts, self.config)
         if self.backend == "cpu":
             return self._cpu.warmup_decode_cpu(q, k_cache, v_cache, tau_t, self.scale, seq_lens, starts)
         return sift_warmup_decode_torch(q, k_cache, v_cache, tau_t, self.scale, seq_lens, starts)
+
+    def _launch(self, run: Any, *args: Any, **kwargs: Any) -> Any:
+        """A Triton entry point on this plan's geometry and workspace, launched on the plan's device."""
+        with on_device(self.device):
+            return run(self.geometry, self.workspace, *args, **kwargs)
 
     def scratch_bytes(self) -> int:
         """Device memory the plan holds (0 for the torch backend)."""
