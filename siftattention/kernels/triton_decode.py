@@ -198,20 +198,6 @@ class KernelConfig:
     # decode_quick_anchored2_h200.json, decode_anchored_forms_h200.json).
     onepass_min_rows: int = 64
     onepass_min_len: int = 24576
-    # Small grids: the sparse step in one launch (triton_resident), each program scoring at most
-    # ``resident_max_keys`` keys into registers and meeting its row's programs before it filters.
-    # The grid is sized to ``resident_programs`` programs per SM and launched cooperatively, so
-    # the driver refuses it (and the step falls back to two launches) rather than let programs
-    # wait for others that cannot start. "auto": where such a grid holds the whole cache; True:
-    # always (two launches where it does not, and under the interpreter); False: never.
-    # Measured slower than the two passes at every shape tried (BENCHMARKS.md, "A one-launch
-    # sparse step for small batches"), so off by default.
-    resident: bool | str = False
-    resident_max_keys: int = 1024
-    resident_programs: int = 4
-    resident_block_d: int = 32  # features per K / V load (the products' reduction tile) for 16-bit rows
-    resident_warps: int = 4
-    resident_stages: int = 2
 
     def __post_init__(self):
         # Tile sizes that become tl.arange lengths: a wrong one would fail deep in the compiler.
@@ -225,14 +211,6 @@ class KernelConfig:
         for name, least in (("quantile_margin", 0), ("quantile_resident", 1), ("min_splitq", 1)):
             if getattr(self, name) < least:
                 raise ValueError(f"KernelConfig.{name} must be >= {least}, got {getattr(self, name)}")
-        if self.resident not in (True, False, "auto"):
-            raise ValueError(f"KernelConfig.resident must be True, False or 'auto', got {self.resident!r}")
-        if self.resident_programs < 1:
-            raise ValueError(f"KernelConfig.resident_programs must be >= 1, got {self.resident_programs}")
-        for name in ("resident_max_keys", "resident_block_d"):
-            v = getattr(self, name)
-            if v < 16 or v & (v - 1):
-                raise ValueError(f"KernelConfig.{name} must be a power of two >= 16, got {v}")
         for name in ("maxnreg1", "maxnreg2", "maxnregd", "maxnregq"):
             if not (getattr(self, name) == 0 or 24 <= getattr(self, name) <= 255):
                 raise ValueError(f"KernelConfig.{name} must be 0 (no cap) or in 24..255, got {getattr(self, name)}")
@@ -343,13 +321,6 @@ def _plan(
     nq = max(1, min((sms * cfg.quantile_resident) // (B * Hq), S // cfg.min_splitq)) if (
         parallel and bracket and not interp) else 1
     qbits = cfg.quantile_bracket_bits if S >= cfg.quantile_long_row or nq > 1 else cfg.quantile_bracket_bits_short
-    # The one-launch sparse step (triton_resident): resident_programs per SM, each at most resident_max_keys keys.
-    slots_r = cfg.resident_programs * sms
-    rs = max(1, min(slots_r // rows, _cdiv(S, 64)), _cdiv(S, cfg.resident_max_keys))
-    chunk_r = _chunk(cfg.interleave2, S, rs)
-    rs_n = max(16, _pow2(_cdiv(_cdiv(S, chunk_r or 64), rs) * (chunk_r or 64)))
-    rone = rows * rs <= slots_r and not interp
-    resident = cfg.resident is True or (cfg.resident == "auto" and rone)
     return dict(
         B=B, Hq=Hq, Hkv=Hkv, S=S, D=D, G=G, dtype=dtype, use_dot=cfg.use_dot,
         BLOCK_N1=block_n1, BLOCK_N2=block_n2, BLOCK_ND=block_nd, BLOCK_NB=block_nb, STAGES_B=stages_b,
@@ -368,9 +339,6 @@ def _plan(
         CH2=max(1, min(_pow2(ns2), 4096 // (_pow2(G) * max(16, _pow2(D))))),
         CHD=max(1, min(_pow2(nsd), 4096 // (_pow2(G) * max(16, _pow2(D))))),
         pdl=cfg.pdl and _HAS_PDL and hopper,
-        resident=resident, rs=rs, RS_N=rs_n, CHUNKR=chunk_r, RONE=rone,
-        RS_DC=min(max(16, _pow2(D)), max(16, cfg.resident_block_d // max(1, dtype.itemsize // 2))),
-        CHR=max(1, min(_pow2(rs), 4096 // (_pow2(G) * max(16, _pow2(D))))),
         fused=cfg.fused_combine,
         # Register caps as launch options, formed once here rather than per launch.
         regs1=_regcap(cfg.maxnreg1, interp), regs2=_regcap(cfg.maxnreg2, interp),
@@ -673,41 +641,6 @@ def _accumulate(acc, mass, s, idx, jm, thr, amax, m, g_mask, v_ptrs, vmask, DOT_
 
 
 @triton.jit
-def _sum_splits(Part, Cnt, Mass, Out, Kept, b, hkv, stride_ob, stride_oh, stride_od, NUM_SPLITS,
-                HQ: tl.constexpr, G: tl.constexpr, BLOCK_GA: tl.constexpr, BLOCK_D: tl.constexpr, CH: tl.constexpr,
-                d_mask, RENORMALIZE: tl.constexpr, WRITE_KEPT: tl.constexpr):
-    """Sum one (batch, KV head)'s split partials (already divided by the row's normaliser, so they
-    add up), kept masses and kept counts into the output and the kept counts, on a G-row head
-    tile, CH splits per load (one dependent load per split would serialise ~0.5 us each: most of
-    the tail at small B)."""
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_ga = tl.arange(0, BLOCK_GA)
-    ga_mask = offs_ga < G
-    row_c = b.to(tl.int64) * HQ + hkv * G + offs_ga
-    offs_c = tl.arange(0, CH)
-    tot = tl.zeros([BLOCK_GA, BLOCK_D], tl.float32)
-    tot_mass = tl.zeros([BLOCK_GA], tl.float32)
-    kept = tl.zeros([BLOCK_GA], tl.int32)
-    for j0 in range(0, NUM_SPLITS, CH):
-        js = j0 + offs_c
-        pj = row_c[None, :] * NUM_SPLITS + js[:, None]  # [CH, GA]
-        m2 = (js < NUM_SPLITS)[:, None] & ga_mask[None, :]
-        tot += tl.sum(tl.load(Part + pj[:, :, None] * BLOCK_D + offs_d[None, None, :], mask=m2[:, :, None],
-                              other=0.0, cache_modifier=".cg"), axis=0)
-        tot_mass += tl.sum(tl.load(Mass + pj, mask=m2, other=0.0, cache_modifier=".cg"), axis=0)
-        kept += tl.sum(tl.load(Cnt + pj, mask=m2, other=0, cache_modifier=".cg"), axis=0)
-    if RENORMALIZE:
-        tot = tot / tl.where(ga_mask, tot_mass, 1.0)[:, None]
-    h = hkv * G + offs_ga
-    tl.store(
-        Out + b.to(tl.int64) * stride_ob + h[:, None] * stride_oh + offs_d[None, :] * stride_od,
-        tot.to(Out.dtype.element_ty), mask=ga_mask[:, None] & d_mask[None, :],
-    )
-    if WRITE_KEPT:
-        tl.store(Kept + row_c, kept, mask=ga_mask)
-
-
-@triton.jit
 def _filter_kernel(
     V, Scores, Mst, Lst, Ast, Mas, Las, Eta, Beta, LogSteps, Gap, SeqLens, Starts, Idx, Wc, Part, Cnt, Mass, Sem,
     Arrive, Out, Kept,
@@ -880,8 +813,32 @@ def _filter_kernel(
                 # counters for the next call (saves a memset launch per call).
                 tl.store(Sem + bh, 0)
                 tl.store(Arrive + bh, 0)
-            _sum_splits(Part, Cnt, Mass, Out, Kept, b, hkv, stride_ob, stride_oh, stride_od, NUM_SPLITS2,
-                        HQ, G, BLOCK_GA, BLOCK_D, CH, d_mask, RENORMALIZE, WRITE_KEPT)
+            # Sum the split partials on a G-row head tile, CH splits per load (one dependent
+            # load per split would serialise ~0.5 us each: most of the tail at small B).
+            offs_ga = tl.arange(0, BLOCK_GA)
+            ga_mask = offs_ga < G
+            row_c = b.to(tl.int64) * HQ + hkv * G + offs_ga
+            offs_c = tl.arange(0, CH)
+            tot = tl.zeros([BLOCK_GA, BLOCK_D], tl.float32)
+            tot_mass = tl.zeros([BLOCK_GA], tl.float32)
+            kept = tl.zeros([BLOCK_GA], tl.int32)
+            for j0 in range(0, NUM_SPLITS2, CH):
+                js = j0 + offs_c
+                pj = row_c[None, :] * NUM_SPLITS2 + js[:, None]  # [CH, GA]
+                m2 = (js < NUM_SPLITS2)[:, None] & ga_mask[None, :]
+                tot += tl.sum(tl.load(Part + pj[:, :, None] * BLOCK_D + offs_d[None, None, :], mask=m2[:, :, None],
+                                      other=0.0, cache_modifier=".cg"), axis=0)
+                tot_mass += tl.sum(tl.load(Mass + pj, mask=m2, other=0.0, cache_modifier=".cg"), axis=0)
+                kept += tl.sum(tl.load(Cnt + pj, mask=m2, other=0, cache_modifier=".cg"), axis=0)
+            if RENORMALIZE:
+                tot = tot / tl.where(ga_mask, tot_mass, 1.0)[:, None]
+            h = hkv * G + offs_ga
+            tl.store(
+                Out + b.to(tl.int64) * stride_ob + h[:, None] * stride_oh + offs_d[None, :] * stride_od,
+                tot.to(Out.dtype.element_ty), mask=ga_mask[:, None] & d_mask[None, :],
+            )
+            if WRITE_KEPT:
+                tl.store(Kept + row_c, kept, mask=ga_mask)
             if ANCHORED:  # every program of the row read the previous gap before it arrived
                 tl.store(Gap + row, (m + tl.math.log2(l) - a2) * 0.6931471805599453, mask=g_mask)
 
@@ -1389,15 +1346,6 @@ class Workspace:
             self.part = torch.empty(B, Hq, geo["ns2"], geo["BLOCK_D"], device=device, dtype=f32)
             self.cnt = torch.empty(B, Hq, geo["ns2"], device=device, dtype=i32)
             self.mass = torch.empty(B, Hq, geo["ns2"], device=device, dtype=f32)
-            self.resident_refused = False  # the driver refused the one-launch sparse step's grid
-            if geo["resident"]:  # the one-launch sparse step's split statistics and partials
-                rs = geo["rs"]
-                self.r_mst = torch.empty(B, Hq, rs, device=device, dtype=f32)
-                self.r_lst = torch.empty(B, Hq, rs, device=device, dtype=f32)
-                self.r_ast = torch.empty(B, Hq, rs, device=device, dtype=i32)
-                self.r_part = torch.empty(B, Hq, rs, geo["BLOCK_D"], device=device, dtype=f32)
-                self.r_cnt = torch.empty(B, Hq, rs, device=device, dtype=i32)
-                self.r_mass = torch.empty(B, Hq, rs, device=device, dtype=f32)
         if not dense_only:
             # Per (batch, query head), set back by the quantile kernel for the next call: the full
             # radix select's 4 digit histograms, the sampled bracket's digit histograms, and
@@ -1546,10 +1494,6 @@ def sparse(geo: dict, ws: Workspace, q, k_cache, v_cache, eta, scale: float, seq
     """One sift decode step on prepared inputs: (out, kept). ``anchors``: see ``filter_pass``."""
     if anchors is not None and not (geo["fused"] and isinstance(eta, PowerLawThreshold)):
         raise ValueError("the anchored two-pass step needs fused_combine and a PowerLawThreshold")
-    if geo["resident"] and anchors is None:
-        from .triton_resident import sparse as resident_sparse
-
-        return resident_sparse(geo, ws, q, k_cache, v_cache, eta, scale, seq_lens, starts, renormalize, cfg)
     pdl = geo["pdl"]
     scores_pass(geo, ws, q, k_cache, scale, seq_lens, starts, cfg, pdl, None if anchors is None else anchors[1:])
     out, kept = _filter_or_reset(geo, ws, v_cache, eta, seq_lens, starts, cfg, q.dtype, renormalize, True, pdl,
