@@ -355,10 +355,13 @@ TUNE_GRID = [
 
 def kernel_resources() -> list:
     """Registers, spills and shared memory of every compiled decode kernel (Triton's caches)."""
+    from siftattention.kernels import triton_quantile
+
     res = []
-    for name in ("_scores_kernel", "_filter_kernel", "_quantile_kernel", "_dense_kernel"):
+    for mod, name in ((td, "_scores_kernel"), (td, "_filter_kernel"), (triton_quantile, "_quantile_kernel"),
+                      (td, "_dense_kernel")):
         try:
-            for dev_cache in getattr(td, name).device_caches.values():
+            for dev_cache in getattr(mod, name).device_caches.values():
                 for k in dev_cache[0].values():
                     res.append(dict(kernel=name, regs=k.n_regs, spills=k.n_spills, smem=k.metadata.shared,
                                     warps=k.metadata.num_warps, stages=k.metadata.num_stages))

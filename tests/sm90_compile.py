@@ -107,9 +107,9 @@ def kernel_names() -> list[str]:
     """Every ``*_kernel`` JIT function of the Triton modules."""
     from triton.runtime.jit import JITFunction
 
-    from siftattention.kernels import triton_decode, triton_onepass
+    from siftattention.kernels import triton_decode, triton_onepass, triton_quantile
 
-    return sorted({name for mod in (triton_decode, triton_onepass) for name, obj in vars(mod).items()
+    return sorted({name for mod in (triton_decode, triton_onepass, triton_quantile) for name, obj in vars(mod).items()
                    if isinstance(obj, JITFunction) and name.endswith("_kernel")})
 
 

@@ -818,6 +818,7 @@ def radix_select_results(device: str = "cpu", variants: list[dict] | None = None
     """The radix select alone on crafted scores: theta against float64 torch.quantile, and the
     histogram state left for the next call, for every kernel form and atomic-pass choice."""
     from siftattention.kernels import triton_decode as td
+    from siftattention.kernels.triton_quantile import quantile_pass
 
     gen = torch.Generator().manual_seed(5)
     scores, tau, seq_lens = crafted_score_rows(gen)
@@ -837,7 +838,7 @@ def radix_select_results(device: str = "cpu", variants: list[dict] | None = None
         p = torch.exp2(scores.double() - m.double()[..., None]) / l.double()[..., None]
         want = torch.tensor([[float(torch.quantile(p[b, h, : seq_lens[b]], tau[b, h])) for h in range(Hq)]
                              for b in range(B)], dtype=torch.float64)
-        thetas = [td.quantile_pass(geo, ws, tau.to(dev), seq_lens.int().to(dev), None, cfg).cpu() for _ in range(2)]
+        thetas = [quantile_pass(geo, ws, tau.to(dev), seq_lens.int().to(dev), None, cfg).cpu() for _ in range(2)]
         out.append(dict(variant, chunks=geo["NQ"],
                         rel=float(((thetas[0].double() - want).abs() / want).max()),
                         repeat_equal=bool(torch.equal(thetas[0], thetas[1])),

@@ -1,0 +1,58 @@
+"""Triton helpers shared by the decode kernels (``triton_decode``'s passes and
+``triton_quantile``'s select): the dot with the interpreter's bf16 workaround, a row's valid key
+range, its split ranges, and the merge of per-split softmax statistics."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _dot(a, b, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    # UPCAST: Triton's CPU interpreter (3.9) computes bf16 dots wrongly; fp32 is exact there.
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b, input_precision=PREC)
+
+
+@triton.jit
+def _row_range(SeqLens, Starts, b, S_MAX, HAS_SEQ_LENS: tl.constexpr, HAS_STARTS: tl.constexpr):
+    """[begin, end) of batch row b's valid keys."""
+    if HAS_SEQ_LENS:
+        end = tl.minimum(tl.load(SeqLens + b), S_MAX)
+    else:
+        end = S_MAX
+    if HAS_STARTS:
+        begin = tl.maximum(tl.load(Starts + b), 0)
+    else:
+        begin = tl.full([], 0, tl.int32)  # a tensor even where S_MAX is specialised to a constant
+    return begin, end
+
+
+@triton.jit
+def _split_range(begin, end, split, NUM_SPLITS, BLOCK: tl.constexpr):
+    """[lo, hi) of one split: the valid range cut into NUM_SPLITS runs of whole BLOCKs."""
+    n_blocks = tl.cdiv(end - begin, BLOCK)
+    per = tl.cdiv(n_blocks, NUM_SPLITS) * BLOCK
+    lo = begin + split * per
+    return lo, tl.minimum(lo + per, end)
+
+
+@triton.jit
+def _row_ml(Mst, Lst, row, g_mask, NUM_SPLITS, BLOCK_S: tl.constexpr):
+    """Merge per-split (max, sum of exp2) into the row max M and normaliser L.
+
+    One [heads, splits] tile load (a loop over the splits would serialise their
+    load latencies in every program's preamble). Empty splits hold (-inf, 0).
+    """
+    offs_s = tl.arange(0, BLOCK_S)
+    ptr = row[:, None] * NUM_SPLITS + offs_s[None, :]
+    msk = g_mask[:, None] & (offs_s[None, :] < NUM_SPLITS)
+    mst = tl.load(Mst + ptr, mask=msk, other=float("-inf"))
+    lst = tl.load(Lst + ptr, mask=msk, other=0.0)
+    m = tl.max(mst, axis=1)
+    m = tl.where(g_mask, m, 0.0)  # padded heads: keep arithmetic finite
+    l = tl.sum(tl.where(msk & (mst > float("-inf")), lst * tl.math.exp2(mst - m[:, None]), 0.0), axis=1)
+    return m, tl.where(g_mask, l, 1.0), mst, ptr, msk
