@@ -14,11 +14,16 @@ live in the caller's workspace and are set back to zero by the kernel, so a call
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import triton
 import triton.language as tl
 
 from .triton_common import _row_ml, _row_range, _split_range
+
+if TYPE_CHECKING:  # the plan and workspace types live with the passes, which import this module
+    from .triton_decode import KernelConfig, Workspace
 
 _INT_MAX = tl.constexpr(2147483647)
 
@@ -331,7 +336,7 @@ def _qrank(Tau, SeqLens, Starts, row, b, S_MAX, HAS_SEQ_LENS: tl.constexpr, HAS_
     return begin, end, kf.to(tl.int32), (pos - kf).to(tl.float32)
 
 
-def quantile_pass(geo: dict, ws, tau: torch.Tensor, seq_lens, starts, cfg,
+def quantile_pass(geo: dict, ws: Workspace, tau: torch.Tensor, seq_lens, starts, cfg: KernelConfig,
                   from_dense: bool = False) -> torch.Tensor:
     """Warmup: theta [B, Hq] from the stored scores (run right after them: L2-hot).
 
