@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch.nn.attention.bias import causal_lower_right
 
-from .methods.base import KeyRange, Method, Rows
+from .methods.base import KeyRange, Method, Rows, compensate_value_mean
 
 #: Soft bound on the elements of one chunk's [B, H, R, K] score block.
 CHUNK_ELEMENTS = 1 << 24
@@ -252,9 +252,6 @@ def method_attention(
                 kept = (sel.keep & row_valid).sum(-1) if sel.keep is not None else steps[:, None, :].expand(B, Hq, -1)
                 record.add(steps, kept, sel.approx & is_step)
         if method.vmc and not prefill:
-            # The pruned probability mass goes to the mean of the row's valid value rows: an equal
-            # share on every valid key's weight, so the value rows are read once.
-            lost = 1.0 - weights.sum(-1, keepdim=True)
-            weights = weights + lost * row_valid / steps.clamp(min=1)[:, None, :, None]
+            weights = compensate_value_mean(weights, row_valid, steps[:, None, :, None])
         out[:, :, r0:r1] = torch.matmul(weights.to(v_rep.dtype), v_rep[:, :, :kmax])
     return out

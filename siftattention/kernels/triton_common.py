@@ -7,6 +7,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+_INT_MAX = tl.constexpr(2147483647)
+
 
 @triton.jit
 def _dot(a, b, PREC: tl.constexpr, UPCAST: tl.constexpr):

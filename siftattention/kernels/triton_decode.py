@@ -49,7 +49,7 @@ import triton
 import triton.language as tl
 
 from .plan import PowerLawThreshold
-from .triton_common import _dot, _row_ml, _row_range, _split_range
+from .triton_common import _INT_MAX, _dot, _row_ml, _row_range, _split_range
 from .triton_quantile import quantile_pass
 
 LOG2E = 1.4426950408889634
@@ -62,7 +62,6 @@ try:
     _HAS_PDL = True
 except ImportError:  # older Triton
     _HAS_PDL = False
-_INT_MAX = tl.constexpr(2147483647)
 
 
 @dataclass(frozen=True)

@@ -40,8 +40,8 @@ import triton.language as tl
 
 from . import triton_decode as td
 from .plan import PowerLawThreshold, check_shape
+from .triton_common import _INT_MAX
 
-_INT_MAX = tl.constexpr(2147483647)
 _F16_EXACT_TILES = 2048  # float16 lane counts are exact integers up to 2048
 
 

@@ -20,12 +20,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import _row_ml, _row_range, _split_range
+from .triton_common import _INT_MAX, _row_ml, _row_range, _split_range
 
 if TYPE_CHECKING:  # the plan and workspace types live with the passes, which import this module
     from .triton_decode import KernelConfig, Workspace
-
-_INT_MAX = tl.constexpr(2147483647)
 
 
 @triton.jit

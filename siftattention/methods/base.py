@@ -120,6 +120,13 @@ def keep_row_max(probs: torch.Tensor, keep: torch.Tensor, valid: torch.Tensor) -
     return (keep | top) & valid
 
 
+def compensate_value_mean(weights: torch.Tensor, valid: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Value-mean compensation: the pruned probability mass ``1 - sum(weights)`` spread as an equal
+    share over the ``counts`` valid keys of each row (``counts`` broadcast against ``weights``), so
+    the output gains that mass times the mean of the valid value rows while V is read once."""
+    return weights + (1.0 - weights.sum(-1, keepdim=True)) * valid / counts.clamp(min=1)
+
+
 class Method:
     """Base class of the attention methods (each one a small dataclass)."""
 

@@ -24,7 +24,7 @@ from typing import Any, Callable, ClassVar
 
 import torch
 
-from .base import DecodeOutput, KeyRange, Method, Rows, Selection, keep_row_max
+from .base import DecodeOutput, KeyRange, Method, Rows, Selection, compensate_value_mean, keep_row_max
 
 
 class CalibrationError(RuntimeError):
@@ -214,8 +214,8 @@ class TopTheta(Method):
         theta = _lookup(state.thresholds, steps)[..., None]  # [B, H, 1]
         keep = keep_row_max(probs, (scores > theta) | theta.isnan(), valid)
         weights = _kept_weights(probs, keep, self.renormalize)
-        if self.vmc:  # the pruned mass as an equal share on every valid key: V is read once
-            weights = weights + (1.0 - weights.sum(-1, keepdim=True)) * valid / steps.float()[:, None, None]
+        if self.vmc:
+            weights = compensate_value_mean(weights, valid, steps.float()[:, None, None])
         return DecodeOutput(_apply_v(weights, v_cache).to(query.dtype), keep.sum(-1, dtype=torch.int32), True)
 
 
