@@ -254,6 +254,25 @@ def test_small_batch_split_plans(S):
         assert _plan(1, 32, 8, S, 128, torch.float16, sms, True, False, old)["ns2"] * 8 == 4 * sms
 
 
+def test_persistent_scores_plan():
+    # The scores pass turns persistent (a fixed grid looping over every (split, row)) only with
+    # many rows and several rounds of work per program; small batches and short caches keep
+    # one program per split.
+    from siftattention.kernels.triton_decode import KernelConfig, _plan
+
+    cfg, sms = KernelConfig(), 132
+    for B, Hkv, S, persistent in ((8, 8, 32768, True), (16, 8, 32768, True), (4, 8, 32768, True),
+                                  (8, 32, 8192, True), (8, 8, 8192, False), (2, 8, 32768, False),
+                                  (1, 8, 131072, False)):
+        geo = _plan(B, 32, Hkv, S, 128, torch.float16, sms, True, False, cfg)
+        items = B * Hkv * geo["ns1"]
+        if persistent:
+            assert geo["programs1"] == cfg.persist1 * sms and items >= cfg.persist1_min_waves * geo["programs1"], (B, S)
+        else:
+            assert geo["programs1"] == 0, (B, Hkv, S)
+    assert _plan(8, 32, 8, 32768, 128, torch.float16, sms, True, False, KernelConfig(persist1=0))["programs1"] == 0
+
+
 def test_validation_errors():
     q = torch.randn(2, 8, 64)
     k = torch.randn(2, 2, 10, 64)
@@ -756,6 +775,34 @@ def _triton_worker() -> dict:
     res["plan"] = plan_results("cpu", "triton", PLAN_CASES, KernelConfig(**SMALL))
     # Interleaved filter splits with ragged starts and lengths.
     res["plan_interleaved"] = plan_results("cpu", "triton", PLAN_CASES, KernelConfig(**{**SMALL, "interleave2": 8}))
+    res["persistent"] = persistent_results(KernelConfig(**SMALL))
+    return res
+
+
+def persistent_results(config) -> list[dict]:
+    """The sparse step with a persistent scores pass (the interpreter's 4 "SMs": 4 programs loop
+    over every (split, row)) against the same step with one program per split and float64."""
+    from siftattention.kernels import DecodeKernels
+    from siftattention.kernels.triton_decode import KernelConfig
+
+    persistent = KernelConfig(**{**config.__dict__, "persist1": 1, "persist1_min_rows": 1, "persist1_min_waves": 1})
+    res = []
+    for i in (1, 2):  # GQA ratios 2 and 4, ragged starts and lengths
+        B, Hq, Hkv, S, D, dt = PLAN_CASES[i]
+        gen = torch.Generator().manual_seed(71 + i)
+        dtype = getattr(torch, dt)
+        q, k, v, sl, st = range_case(B, Hq, Hkv, S, D, dtype, gen)
+        eta = range_eta(q, k, D**-0.5, sl, st, gen)
+        ref, ref_kept, _, _ = ref_range(q, k, v, eta, D**-0.5, sl, st, False, 0.75)
+        outs = []
+        for cfg in (config, persistent):
+            kern = DecodeKernels.plan(batch=B, q_heads=Hq, kv_heads=Hkv, max_len=S, head_dim=D, dtype=dtype,
+                                      device="cpu", scale=D**-0.5, backend="triton", config=cfg)
+            outs.append(kern.sparse(q, k, v, eta, sl, st) + (kern.geometry["programs1"],))
+        (out_n, kept_n, _), (out_p, kept_p, programs) = outs
+        res.append(dict(case=i, dtype=dt, persistent=0 < programs < B * Hkv * kern.geometry["ns1"],
+                        out_equal=bool(torch.equal(out_n, out_p)), kept_equal=bool(torch.equal(kept_n, kept_p)),
+                        kept_ref=bool(torch.equal(kept_p, ref_kept)), err=rel(out_p, ref)))
     return res
 
 
@@ -927,6 +974,9 @@ def test_triton_radix_select_on_crafted_scores(triton_results):
 def test_triton_plan_matches_float64(triton_results):
     check_plan_rows(triton_results["plan"], 2 * len(PLAN_CASES))
     check_plan_rows(triton_results["plan_interleaved"], 2 * len(PLAN_CASES))
+    for r in triton_results["persistent"]:
+        assert r["persistent"] and r["out_equal"] and r["kept_equal"] and r["kept_ref"], r
+        assert r["err"] < (1e-5 if r["dtype"] == "float32" else 1e-2), r
 
 
 # ----------------------------------------------------------------------------- CUDA (skipped without a GPU)
