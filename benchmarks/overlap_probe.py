@@ -136,7 +136,8 @@ def main() -> None:
                 else:
                     fn, prep = (lambda q, k, v, e, st=step: st(q, k, v, e, sl)), step.split_eta
                 out, kept = fn(q, k, v, prep(eta))
-                torch.cuda.synchronize() if DEV == "cuda" else None
+                if DEV == "cuda":
+                    torch.cuda.synchronize()
                 err = max(rel_err(out[b], ref_out64(q, k, v, eta, b)) for b in range(B))
                 ok = bool(torch.equal(kept, kept_ref)) and err < 1e-2
                 ms = bench_graph(fn, [s + (prep(t[0]),) for s, t in zip(sets, ths)])

@@ -549,6 +549,8 @@ def _scores_kernel(
         # The filter kernel may be dispatched once every program here has started; its
         # programs then wait for their own row's counter (Arrive), not for this grid.
         gdc_launch_dependents()
+    # Two call sites rather than one loop for both grids: a one-item loop costs the
+    # one-program-per-split grid 1-2% at B = 1 (H200, GQA 32/8, S = 8192: 1.18 -> 1.20x SDPA).
     if PERSIST:
         for item in range(tl.program_id(0), NUM_SPLITS * NUM_ROWS, tl.num_programs(0)):
             _score_split(item % NUM_SPLITS, item // NUM_SPLITS,
