@@ -240,7 +240,11 @@ def test_small_batch_split_plans(S):
     for B, Hkv in ((1, 8), (2, 8), (1, 32), (4, 8), (8, 8)):
         rows = B * Hkv
         geo = _plan(B, 32, Hkv, S, 128, torch.float16, sms, True, False, cfg)
-        by_length = min(_cdiv(cfg.programs2 * sms, rows), _cdiv(S, cfg.min_split2))
+        persistent_gqa = Hkv < 32 and geo["programs1"] > 0  # see test_persistent_scores_plan
+        programs2 = (cfg.programs2_persist_gqa if persistent_gqa else cfg.programs2) if Hkv < 32 else cfg.programs2_mha
+        by_length = min(_cdiv(programs2 * sms, rows), _cdiv(S, cfg.min_split2))
+        if persistent_gqa:
+            by_length = max(by_length, _cdiv(S, cfg.max_split2_persist_gqa))
         if by_length * rows <= sms:  # the fill rule decides
             assert sms - rows < rows * geo["ns2"] <= sms, (B, Hkv, S, geo["ns2"])
         else:  # the split length decides (whole waves only past the first)
@@ -271,6 +275,16 @@ def test_persistent_scores_plan():
         else:
             assert geo["programs1"] == 0, (B, Hkv, S)
     assert _plan(8, 32, 8, 32768, 128, torch.float16, sms, True, False, KernelConfig(persist1=0))["programs1"] == 0
+    # Beside a persistent scores pass a GQA filter grid is one wave of resident programs, in splits
+    # of at most max_split2_persist_gqa keys; without it, the splits of the general rule.
+    slots = cfg.resident2 * sms
+    for B, S in ((8, 32768), (16, 16384), (32, 8192), (16, 32768), (32, 32768)):
+        rows = B * 8
+        geo = _plan(B, 32, 8, S, 128, torch.float16, sms, True, False, cfg)
+        one_wave = slots // rows
+        assert geo["ns2"] == max(one_wave, S // cfg.max_split2_persist_gqa), (B, S, geo["ns2"])
+        old = _plan(B, 32, 8, S, 128, torch.float16, sms, True, False, KernelConfig(persist1=0))
+        assert old["programs1"] == 0 and old["ns2"] * rows >= slots and old["ns2"] * cfg.min_split2 <= S, (B, S)
 
 
 def test_validation_errors():

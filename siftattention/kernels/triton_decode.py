@@ -93,6 +93,17 @@ class KernelConfig:
     stages2: int = 4
     programs2: int = 8
     min_split2: int = 2048
+    # MHA: more, shorter filter splits (H200, B = 8, S = 32768, s = 0.875: 0.657 -> 0.643x SDPA,
+    # B = 16 0.640 -> 0.635, B = 4 0.671 -> 0.658; as good or better at every sparsity).
+    programs2_mha: int = 16
+    # GQA beside a persistent scores pass: the filter grid is one wave of resident programs
+    # (this many per SM), in splits of at most ``max_split2_persist_gqa`` keys (0: any). Where
+    # this changes the plan it wins at s >= 0.875 and loses at s <= 0.75, where the step is
+    # slower than SDPA either way (H200, ratio to SDPA at s = 0.875 / 0.5, former -> this:
+    # GQA 32/8 B = 8, S = 32768 0.920 -> 0.890 / 1.29 -> 1.38; B = 16, S = 16384 0.918 -> 0.894;
+    # B = 32, S = 8192 0.930 -> 0.900; decode_grid_filter_rule2*_h200.json).
+    programs2_persist_gqa: int = 4
+    max_split2_persist_gqa: int = 4096
     fill: int = 2  # fewest programs per SM, scores and quantile passes (overrides the minimum split length)
     # The filter pass at small B: at most one program per SM from the fill rule, and a grid
     # of less than one wave is not rounded up to a whole one (GQA B = 1, S = 32768: 528
@@ -271,11 +282,11 @@ def _pow2(n: int) -> int:
 
 
 def _splits(s_max: int, rows: int, block_n: int, programs_per_sm: int, sms: int, min_len: int, fill: int,
-            resident: int, whole_waves: bool = True, max_waves: int = 4) -> int:
+            resident: int, whole_waves: bool = True, max_waves: int = 4, max_len: int = 0) -> int:
     """Number of splits per row for a cache of ``s_max`` keys.
 
     Aim for ``programs_per_sm`` programs per SM with splits of at least ``min_len``
-    keys, but never fewer than ``fill`` programs per SM while the sequence allows
+    keys (and at most ``max_len``, if given), but never fewer than ``fill`` programs per SM while the sequence allows
     (few rows, i.e. small batch or few KV heads, need short splits to fill the chip).
     Grids of at most ``max_waves`` waves (``resident`` programs fit on an SM at once) are
     then sized to a whole number of waves: 1.3 waves of short programs cost about as much as 2.
@@ -285,6 +296,8 @@ def _splits(s_max: int, rows: int, block_n: int, programs_per_sm: int, sms: int,
     """
     n_blocks = _cdiv(s_max, block_n)
     want = min(_cdiv(programs_per_sm * sms, rows), _cdiv(s_max, min_len))
+    if max_len:
+        want = max(want, _cdiv(s_max, max_len))
     want = max(1, want, _cdiv(fill * sms, rows) if whole_waves else (fill * sms) // rows)
     n = min(want, n_blocks)
     slots = resident * sms
@@ -321,7 +334,11 @@ def _plan(
     block_nb = max(16, (cfg_nb or cfg_n2) // shrink)
     stages_b = (cfg.stages_b_gqa if gqa else cfg.stages_b) or cfg.stages2
     ns1 = _splits(S, rows, block_n1, cfg.programs1, sms, cfg.min_split1, cfg.fill, cfg.resident1, max_waves=cfg.waves1)
-    ns2 = _splits(S, rows, block_n2, cfg.programs2, sms, cfg.min_split2, cfg.fill2, cfg.resident2, cfg.whole_waves2)
+    persistent = cfg.persist1 and rows >= cfg.persist1_min_rows and rows * ns1 >= cfg.persist1_min_waves * cfg.persist1 * sms
+    programs2 = (cfg.programs2_persist_gqa if persistent else cfg.programs2) if gqa else cfg.programs2_mha
+    max_split2 = cfg.max_split2_persist_gqa if gqa and persistent else 0
+    ns2 = _splits(S, rows, block_n2, programs2, sms, cfg.min_split2, cfg.fill2, cfg.resident2, cfg.whole_waves2,
+                  max_len=max_split2)
     nsd = _splits(S, rows, block_nd, cfg.programsd, sms, cfg.min_splitd, cfg.filld, cfg.residentd, cfg.whole_wavesd,
                   max_waves=cfg.wavesd)
     parallel = (B * Hq <= sms) if cfg.quantile_parallel == "auto" else bool(cfg.quantile_parallel)
@@ -348,8 +365,7 @@ def _plan(
         CHD=max(1, min(_pow2(nsd), 4096 // (_pow2(G) * max(16, _pow2(D))))),
         pdl=cfg.pdl and _HAS_PDL and hopper,
         fused=cfg.fused_combine,
-        programs1=cfg.persist1 * sms if (cfg.persist1 and rows >= cfg.persist1_min_rows
-                                         and rows * ns1 >= cfg.persist1_min_waves * cfg.persist1 * sms) else 0,
+        programs1=cfg.persist1 * sms if persistent else 0,
         # Register caps as launch options, formed once here rather than per launch.
         regs1=_regcap(cfg.maxnreg1, interp), regs2=_regcap(cfg.maxnreg2, interp),
         regsd=_regcap(cfg.maxnregd, interp), regsq=_regcap(cfg.maxnregq, interp),
