@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -32,6 +33,13 @@ def run_json_script(script: str, *args: str, interpret: bool) -> dict:
 def run_interpreted(test_file: str, flag: str) -> dict:
     """``test_file`` run as a script with ``flag`` under Triton's CPU interpreter (see run_json_script)."""
     return run_json_script(test_file, flag, interpret=True)
+
+
+def run_interpreted_parts(test_file: str, flag: str, parts: list[str]) -> list[dict]:
+    """``test_file`` run with ``flag`` and each part under Triton's CPU interpreter, one subprocess per
+    core at a time (the interpreter is single-threaded); results in the order of ``parts``."""
+    with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
+        return list(pool.map(lambda part: run_json_script(test_file, flag, part, interpret=True), parts))
 
 
 def tiny_llama(seed: int = 0, layers: int = 2, heads: int = 4, kv_heads: int = 2, vocab: int = 97):

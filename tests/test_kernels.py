@@ -17,7 +17,7 @@ import zlib
 
 import pytest
 import torch
-from conftest import run_interpreted, run_json_script
+from conftest import run_interpreted_parts, run_json_script
 
 from siftattention.kernels import logit_threshold, sift_decode, sift_warmup_decode
 
@@ -692,7 +692,8 @@ def test_functional_api_eta_edges_and_starts():
 
 # (B, Hq, Hkv, S, D, dtype, config overrides). Small blocks and splits so that odd
 # lengths cross tile, split and compaction boundaries.
-SMALL = dict(block_n1=16, block_n2=16, block_a=32, scan_elems=0, min_split1=16, min_split2=16, quantile_block=32,
+SMALL = dict(block_n1=16, block_n2=16, block_a=32, scan_elems=0, min_split1=16, min_split2=16,
+             quantile_block=32,
              block_nd=16, min_splitd=16, block_nb=16, block_n2_gqa=16, block_nb_gqa=32, quantile_parallel=True,
              interleave2=0)
 TRITON_CASES = [
@@ -711,23 +712,25 @@ TRITON_CASES = [
 ]
 
 
-def _triton_worker() -> dict:
-    """Runs in a subprocess with TRITON_INTERPRET=1; returns measured errors as JSON."""
+def _triton_cases(indices) -> dict:
+    """Sparse and warmup steps on ``TRITON_CASES[indices]`` against float64, and the anchored gap
+    the warmup step leaves."""
     from siftattention.kernels import triton_decode
     from siftattention.kernels import DecodeKernels
     from siftattention.kernels.torch_ref import anchor_gap_torch
     from siftattention.kernels.triton_decode import KernelConfig, sift_decode_triton, sift_warmup_decode_triton
 
-    res: dict = {"decode": [], "warmup": [], "exact": []}
-    gen = torch.Generator().manual_seed(21)
-    for i, (B, Hq, Hkv, S, D, dt, over) in enumerate(TRITON_CASES):
+    res: dict = {"decode": [], "warmup": [], "warmup_gap": [], "chunks": []}
+    for i in indices:
+        B, Hq, Hkv, S, D, dt, over = TRITON_CASES[i]
+        gen = torch.Generator().manual_seed(seed("triton-case", i))
         dtype = getattr(torch, dt)
         cfg = KernelConfig(**{**SMALL, **over})
         q, k, v, sl = make_case(B, Hq, Hkv, S + 3, D, dtype, gen)
         k, v = k[:, :, 1 : S + 1], v[:, :, 1 : S + 1]  # strided along S
         sl = sl.clamp(max=S)
         scale = D**-0.5
-        res.setdefault("chunks", []).append(triton_decode.geometry(B, Hq, Hkv, S, D, dtype, q.device, cfg)["CHUNK2"])
+        res["chunks"].append(triton_decode.geometry(B, Hq, Hkv, S, D, dtype, q.device, cfg)["CHUNK2"])
         for mode in ("one", "some", "all"):
             eta = midway_eta(q, k, scale, sl, mode, gen)
             for renorm in (False, True):
@@ -751,8 +754,17 @@ def _triton_worker() -> dict:
             kern.warmup(q, k, v, 0.5, sl.int(), starts)
             gap = kern.warmup_gap(q, k, sl.int(), starts, 3, 5)
             want = anchor_gap_torch(q.double(), k.double(), scale, sl, starts, 3, 5)
-            res.setdefault("warmup_gap", []).append(dict(case=i, warmup_dense=cfg.warmup_dense,
-                                                         err=float((gap.double() - want).abs().max())))
+            res["warmup_gap"].append(dict(case=i, warmup_dense=cfg.warmup_dense,
+                                          err=float((gap.double() - want).abs().max())))
+    return res
+
+
+def _triton_exact_quantile() -> dict:
+    """The warmup quantile on scores with exact ties, one program per row or several."""
+    from siftattention.kernels.triton_decode import KernelConfig, sift_warmup_decode_triton
+
+    res: dict = {"exact": []}
+    gen = torch.Generator().manual_seed(21)
     q, k, v, sl = exact_score_case(gen)
     for tau in (0.1, 0.5, 0.875, 0.99, 1.0):
         tau_t = torch.full(q.shape[:2], tau, dtype=torch.float64)
@@ -765,13 +777,16 @@ def _triton_worker() -> dict:
             tau_t = torch.full(q.shape[:2], tau, dtype=torch.float64)
             _, theta = sift_warmup_decode_triton(q, k, v, tau_t, 0.125, sl.int(), cfg)
             res["exact"].append(dict(tau=tau, prefetch=prefetch, ulps=ulps(theta, ref_theta(q, k, 0.125, sl, tau))))
-    res["radix"] = radix_select_results()
-    # The reused counters are back at zero after every call.
-    res["sync_buffers"] = len(triton_decode._SYNC)
-    res["sync_nonzero"] = sum(int(b.count_nonzero()) for b in triton_decode._SYNC.values())
-    # A filter pass that fails to launch leaves them zeroed too (a scores pass on the GPU has
-    # advanced them by then: simulated here by dirtying the buffer).
-    q, k, v, sl = make_case(1, 4, 4, 20, 64, torch.float32, gen)
+    return res
+
+
+def _triton_failed_launch() -> dict:
+    """A filter pass that fails to launch leaves the reused counters zeroed (a scores pass on the
+    GPU has advanced them by then: simulated here by dirtying the buffer)."""
+    from siftattention.kernels import triton_decode
+    from siftattention.kernels.triton_decode import KernelConfig, sift_decode_triton
+
+    q, k, v, sl = make_case(1, 4, 4, 20, 64, torch.float32, torch.Generator().manual_seed(22))
     real = triton_decode.filter_pass
 
     def failing(geo, ws, *a, **kw):
@@ -785,11 +800,44 @@ def _triton_worker() -> dict:
         pass
     finally:
         triton_decode.filter_pass = real
-    res["sync_nonzero_after_failure"] = sum(int(b.count_nonzero()) for b in triton_decode._SYNC.values())
-    res["plan"] = plan_results("cpu", "triton", PLAN_CASES, KernelConfig(**SMALL))
-    # Interleaved filter splits with ragged starts and lengths.
-    res["plan_interleaved"] = plan_results("cpu", "triton", PLAN_CASES, KernelConfig(**{**SMALL, "interleave2": 8}))
-    res["persistent"] = persistent_results(KernelConfig(**SMALL))
+    return {"sync_nonzero_after_failure": sum(int(b.count_nonzero()) for b in triton_decode._SYNC.values())}
+
+
+def _triton_plans(interleave: int) -> dict:
+    """DecodeKernels on ragged starts and lengths, contiguous or interleaved filter splits."""
+    from siftattention.kernels.triton_decode import KernelConfig
+
+    key = "plan_interleaved" if interleave else "plan"
+    return {key: plan_results("cpu", "triton", PLAN_CASES, KernelConfig(**{**SMALL, "interleave2": interleave}))}
+
+
+def _triton_persistent() -> dict:
+    from siftattention.kernels.triton_decode import KernelConfig
+
+    return {"persistent": persistent_results(KernelConfig(**SMALL)), **_triton_failed_launch()}
+
+
+# The interpreter's work in parts, longest first, run side by side in subprocesses (one per core).
+TRITON_PARTS = {
+    "plans": lambda: _triton_plans(0),
+    "plans-interleaved": lambda: _triton_plans(8),
+    "radix": lambda: {"radix": radix_select_results()},
+    "cases-0-1": lambda: _triton_cases(range(0, 2)),
+    "cases-2-3": lambda: _triton_cases(range(2, 4)),
+    "exact-quantile": _triton_exact_quantile,
+    "persistent": _triton_persistent,
+    "cases-4-10": lambda: _triton_cases(range(4, len(TRITON_CASES))),
+}
+
+
+def _triton_worker(part: str) -> dict:
+    """Runs in a subprocess with TRITON_INTERPRET=1; returns measured errors as JSON, with the
+    state of the reused counters after every call."""
+    from siftattention.kernels import triton_decode
+
+    res = TRITON_PARTS[part]()
+    res["sync_buffers"] = len(triton_decode._SYNC)
+    res["sync_nonzero"] = sum(int(b.count_nonzero()) for b in triton_decode._SYNC.values())
     return res
 
 
@@ -915,7 +963,14 @@ def triton_results():
         import triton  # noqa: F401
     except ImportError:
         pytest.skip("triton is not installed: the Triton kernels cannot be checked (pip install triton)")
-    return run_interpreted(__file__, "--triton-worker")
+    merged: dict = {}
+    for part in run_interpreted_parts(__file__, "--triton-worker", list(TRITON_PARTS)):
+        for key, value in part.items():
+            if isinstance(value, list):
+                merged.setdefault(key, []).extend(value)
+            else:  # counters: summed over the subprocesses
+                merged[key] = merged.get(key, 0) + value
+    return merged
 
 
 def test_triton_decode_matches_float64(triton_results):
@@ -952,7 +1007,7 @@ def test_interleave_chunk_rule():
 
 
 def test_triton_reused_counters_return_to_zero(triton_results):
-    assert triton_results["sync_buffers"] >= 2  # one per (device, stream, rows) shape seen
+    assert triton_results["sync_buffers"] >= 2  # one per (device, stream, rows) shape seen, summed over processes
     assert triton_results["sync_nonzero"] == 0
     assert triton_results["sync_nonzero_after_failure"] == 0
 
@@ -1078,7 +1133,7 @@ def test_cuda_graph_capture_of_plans():
 
 
 if __name__ == "__main__" and "--triton-worker" in sys.argv:
-    print(json.dumps(_triton_worker()))
+    print(json.dumps(_triton_worker(sys.argv[sys.argv.index("--triton-worker") + 1])))
 
 
 def test_every_kernel_variant_compiles_for_sm90():
