@@ -817,7 +817,7 @@ def _triton_persistent() -> dict:
     return {"persistent": persistent_results(KernelConfig(**SMALL)), **_triton_failed_launch()}
 
 
-# The interpreter's work in parts, longest first, run side by side in subprocesses (one per core).
+# The interpreter's work in parts, run side by side in subprocesses (one per core at a time).
 TRITON_PARTS = {
     "plans": lambda: _triton_plans(0),
     "plans-interleaved": lambda: _triton_plans(8),

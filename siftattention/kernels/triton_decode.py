@@ -286,8 +286,9 @@ def _splits(s_max: int, rows: int, block_n: int, programs_per_sm: int, sms: int,
     """Number of splits per row for a cache of ``s_max`` keys.
 
     Aim for ``programs_per_sm`` programs per SM with splits of at least ``min_len``
-    keys (and at most ``max_len``, if given), but never fewer than ``fill`` programs per SM while the sequence allows
-    (few rows, i.e. small batch or few KV heads, need short splits to fill the chip).
+    keys (and at most ``max_len``, if given), but never fewer than ``fill`` programs per
+    SM while the sequence allows (few rows, i.e. small batch or few KV heads, need short
+    splits to fill the chip).
     Grids of at most ``max_waves`` waves (``resident`` programs fit on an SM at once) are
     then sized to a whole number of waves: 1.3 waves of short programs cost about as much as 2.
     ``whole_waves=False`` (the filter and dense passes): the fill rule rounds down, and a
@@ -334,7 +335,8 @@ def _plan(
     block_nb = max(16, (cfg_nb or cfg_n2) // shrink)
     stages_b = (cfg.stages_b_gqa if gqa else cfg.stages_b) or cfg.stages2
     ns1 = _splits(S, rows, block_n1, cfg.programs1, sms, cfg.min_split1, cfg.fill, cfg.resident1, max_waves=cfg.waves1)
-    persistent = cfg.persist1 and rows >= cfg.persist1_min_rows and rows * ns1 >= cfg.persist1_min_waves * cfg.persist1 * sms
+    persistent = bool(cfg.persist1) and rows >= cfg.persist1_min_rows and (
+        rows * ns1 >= cfg.persist1_min_waves * cfg.persist1 * sms)
     programs2 = (cfg.programs2_persist_gqa if persistent else cfg.programs2) if gqa else cfg.programs2_mha
     max_split2 = cfg.max_split2_persist_gqa if gqa and persistent else 0
     ns2 = _splits(S, rows, block_n2, programs2, sms, cfg.min_split2, cfg.fill2, cfg.resident2, cfg.whole_waves2,
