@@ -390,8 +390,8 @@ def run_tune_grid(args):
     def dense_knobs(kw: dict) -> set:
         return {k for k in kw if k in dense_keys or k.startswith("quantile_")}
 
-    scores_keys = {"block_n1", "warps1", "stages1", "programs1", "min_split1", "fill", "resident1", "waves1", "evict", "use_dot", "persist1",
-                   "maxnreg1"}
+    scores_keys = {"block_n1", "warps1", "stages1", "programs1", "min_split1", "fill", "resident1", "waves1", "evict", "use_dot",
+                   "persist1", "maxnreg1"}
     for (B, Hq, Hkv, S) in shapes:
         D, dt = 128, torch.float16
         sets = [make_inputs(B, Hq, Hkv, S, D, dt, args.logit_std, (args.group_corr or [0.0])[0], gen) for _ in range(args.sets)]

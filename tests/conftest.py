@@ -30,16 +30,16 @@ def run_json_script(script: str, *args: str, interpret: bool) -> dict:
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
-def run_interpreted(test_file: str, flag: str) -> dict:
-    """``test_file`` run as a script with ``flag`` under Triton's CPU interpreter (see run_json_script)."""
-    return run_json_script(test_file, flag, interpret=True)
+def run_interpreted(test_file: str, *args: str) -> dict:
+    """``test_file`` run as a script with ``args`` under Triton's CPU interpreter (see run_json_script)."""
+    return run_json_script(test_file, *args, interpret=True)
 
 
 def run_interpreted_parts(test_file: str, flag: str, parts: list[str]) -> list[dict]:
-    """``test_file`` run with ``flag`` and each part under Triton's CPU interpreter, one subprocess per
-    core at a time (the interpreter is single-threaded); results in the order of ``parts``."""
+    """``run_interpreted(test_file, flag, part)`` for every part, one subprocess per core at a time
+    (the interpreter is single-threaded); results in the order of ``parts``."""
     with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
-        return list(pool.map(lambda part: run_json_script(test_file, flag, part, interpret=True), parts))
+        return list(pool.map(lambda part: run_interpreted(test_file, flag, part), parts))
 
 
 def tiny_llama(seed: int = 0, layers: int = 2, heads: int = 4, kv_heads: int = 2, vocab: int = 97):

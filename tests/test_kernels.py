@@ -780,6 +780,13 @@ def _triton_exact_quantile() -> dict:
     return res
 
 
+def _sync_nonzero() -> int:
+    """Nonzero entries left in this process's reused counter buffers."""
+    from siftattention.kernels import triton_decode
+
+    return sum(int(b.count_nonzero()) for b in triton_decode._SYNC.values())
+
+
 def _triton_failed_launch() -> dict:
     """A filter pass that fails to launch leaves the reused counters zeroed (a scores pass on the
     GPU has advanced them by then: simulated here by dirtying the buffer)."""
@@ -800,7 +807,7 @@ def _triton_failed_launch() -> dict:
         pass
     finally:
         triton_decode.filter_pass = real
-    return {"sync_nonzero_after_failure": sum(int(b.count_nonzero()) for b in triton_decode._SYNC.values())}
+    return {"sync_nonzero_after_failure": _sync_nonzero()}
 
 
 def _triton_plans(interleave: int) -> dict:
@@ -812,6 +819,7 @@ def _triton_plans(interleave: int) -> dict:
 
 
 def _triton_persistent() -> dict:
+    """The persistent scores pass, and (one part with it, both short) the failed-launch counters."""
     from siftattention.kernels.triton_decode import KernelConfig
 
     return {"persistent": persistent_results(KernelConfig(**SMALL)), **_triton_failed_launch()}
@@ -837,7 +845,7 @@ def _triton_worker(part: str) -> dict:
 
     res = TRITON_PARTS[part]()
     res["sync_buffers"] = len(triton_decode._SYNC)
-    res["sync_nonzero"] = sum(int(b.count_nonzero()) for b in triton_decode._SYNC.values())
+    res["sync_nonzero"] = _sync_nonzero()
     return res
 
 
