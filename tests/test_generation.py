@@ -46,9 +46,13 @@ def test_dense_fast_path_equals_transformers_generate(factory):
     ids, mask = _left_padded_batch()
     with torch.no_grad():
         ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=0, eos_token_id=None)
-    res = generate(model, ids, mask, Full(), max_new_tokens=NEW, pad_token_id=0, eos_token_id=-1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        res = generate(model, ids, mask, Full(), max_new_tokens=NEW, pad_token_id=0, eos_token_id=-1)
     assert res.fast
     assert torch.equal(res.sequences, ref)
+    # The loop names the cache as this transformers' forward does (5.24 deprecates `past_key_values`).
+    assert not [w for w in caught if "past_key_values" in str(w.message)]
     assert model.config._attn_implementation == "sdpa" and "generate" not in model.__dict__
 
 

@@ -1,4 +1,5 @@
 import copy
+import inspect
 
 import pytest
 import torch
@@ -181,11 +182,12 @@ def test_teacher_forced_equals_token_by_token_decode(where, request):
         full = torch.log_softmax(_logits(model, ids), -1)
         alpha_tf = handle.stats.alpha.clone()
         cache = DynamicCache(config=model.config)
+        cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"  # renamed in 5.24
         steps = []
         with torch.no_grad():
             for i in range(ids.shape[1]):
-                out = model(ids[:, i : i + 1], past_key_values=cache, use_cache=True)
-                cache = out.past_key_values
+                out = model(ids[:, i : i + 1], **{cache_arg: cache}, use_cache=True)
+                cache = out[cache_arg]
                 steps.append(torch.log_softmax(out.logits[:, -1], -1))
         alpha_dec = handle.stats.alpha
     stepwise = torch.stack(steps, dim=1)

@@ -192,6 +192,8 @@ class _Loop:
         self.cache = FixedCache(model.config, self.P + self.T)
         self.ctx = DecodeContext(self.P - mask.sum(1), self.P)
         self.accepts = _forward_kwargs(model)
+        # transformers 5.24 renamed the forward's cache argument (the old name warns).
+        self.cache_arg = "cache" if "cache" in self.accepts else "past_key_values"
         self.tokens = torch.zeros(self.B, dtype=torch.long, device=self.device)
         self.positions = torch.zeros(self.B, dtype=torch.long, device=self.device)
         self.out = torch.full((self.B, self.T), pad_token_id, dtype=torch.long, device=self.device)
@@ -213,7 +215,7 @@ class _Loop:
         chunk = self.P if not chunk or self.handle.method.observes_prefill() else chunk
         for a in range(0, self.P, chunk):
             b = min(self.P, a + chunk)
-            kwargs: dict[str, Any] = dict(attention_mask=mask[:, :b], position_ids=positions[:, a:b], past_key_values=self.cache, use_cache=True)
+            kwargs: dict[str, Any] = {"attention_mask": mask[:, :b], "position_ids": positions[:, a:b], self.cache_arg: self.cache, "use_cache": True}
             if "logits_to_keep" in self.accepts:
                 kwargs["logits_to_keep"] = 1
             if "cache_position" in self.accepts:
@@ -241,7 +243,7 @@ class _Loop:
 
     def _step(self) -> None:
         """One token for every row: the model, the next token, the loop's device counters."""
-        kwargs: dict[str, Any] = dict(attention_mask=self.no_mask, position_ids=self.positions[:, None], past_key_values=self.cache, use_cache=True)
+        kwargs: dict[str, Any] = {"attention_mask": self.no_mask, "position_ids": self.positions[:, None], self.cache_arg: self.cache, "use_cache": True}
         if "cache_position" in self.accepts:
             kwargs["cache_position"] = self.ctx.write_pos
         logits = self.forward(input_ids=self.tokens[:, None], **kwargs).logits[:, -1]
