@@ -25,6 +25,7 @@ import argparse
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -205,6 +206,11 @@ def main() -> None:
     ap.add_argument("--single", action=argparse.BooleanOptionalAction, default=True, help="also run the model on one GPU (the reference)")
     ap.add_argument("--out", type=Path, default=Path("bench_generate_tp.json"))
     args = ap.parse_args()
+    for setting in args.settings:
+        if not re.fullmatch(r"[1-9]\d*x[1-9]\d*", setting):
+            ap.error(f"--settings takes BATCHxPROMPT, for example 8x32768; got {setting!r}")
+    if args.tp < 2:
+        ap.error(f"--tp must be at least 2 (the one-GPU run is the reference), got {args.tp}")
     if not 0 <= args.head_corr <= 1:
         ap.error(f"--head-corr must lie in [0, 1], got {args.head_corr}")
     if torch.cuda.device_count() < args.tp:
