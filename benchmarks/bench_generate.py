@@ -112,12 +112,18 @@ def copy_bandwidth() -> float:
     return 2 * (2 << 30) / (ms / 1e3)
 
 
-def floor_ms(model, batch: int, seq: int, bw: float) -> float:
+def weight_bytes(model) -> int:
+    """Bytes of the weights this process holds (under tensor parallelism a DTensor's local shard)."""
+    locals_ = (p.to_local() if hasattr(p, "to_local") else p for p in model.parameters())
+    return sum(p.numel() * p.element_size() for p in locals_)
+
+
+def floor_ms(model, batch: int, seq: int, bw: float, world: int = 1) -> float:
+    """One GPU's byte floor of a token: its weights and its share of the bf16 KV cache (``world`` ranks) read once."""
     cfg = model.config
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
     head_dim = cfg.hidden_size // cfg.num_attention_heads
-    kv = 2 * batch * seq * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 2
-    return (weights + kv) / bw * 1e3
+    kv = 2 * batch * seq * cfg.num_hidden_layers * (cfg.num_key_value_heads // world) * head_dim * 2
+    return (weight_bytes(model) + kv) / bw * 1e3
 
 
 def free() -> None:
@@ -328,6 +334,29 @@ def attention_share(model, ids, tau: float, warmup: int) -> dict:
     return out
 
 
+def _unit_interval(text: str) -> float:
+    value = float(text)
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must lie in [0, 1], got {value}")
+    return value
+
+
+def add_planting_args(ap: argparse.ArgumentParser) -> None:
+    """The planted-attention options of every script that builds the 8B shape (see ``planted_model``)."""
+    ap.add_argument("--plant-std", type=float, default=2.0, help="std of the planted per-key logits (0: no planting, random weights only)")
+    ap.add_argument("--head-corr", type=_unit_interval, default=0.0, help="correlation of the planted logits between the query heads of a KV group")
+    ap.add_argument("--q-scale", type=float, default=0.1, help="scale of the random query weights (the planted dims excepted)")
+
+
+def planted_model(args: argparse.Namespace, **build_kwargs):
+    """``build(**build_kwargs)`` with the attention ``add_planting_args``'s options ask for."""
+    model = build(**{"attention_bias": args.plant_std > 0, **build_kwargs})
+    if args.plant_std > 0:
+        plant_attention(model, args.plant_std, args.head_corr)
+    set_q_scale(model, args.q_scale)
+    return model
+
+
 def set_q_scale(model, scale: float) -> None:
     """Scale every query projection to ``scale`` times its initial weights (kept aside on first use)."""
     with torch.no_grad():
@@ -376,9 +405,7 @@ def main() -> None:
     ap.add_argument("--hf-new", type=int, default=32, help="new tokens for transformers' generate (it is slow)")
     ap.add_argument("--tau", type=float, default=0.875)
     ap.add_argument("--warmup", type=int, default=16)
-    ap.add_argument("--plant-std", type=float, default=2.0, help="std of the planted per-key logits (0: no planting, random weights only)")
-    ap.add_argument("--head-corr", type=float, default=0.0, help="correlation of the planted logits between the query heads of a KV group")
-    ap.add_argument("--q-scale", type=float, default=0.1, help="scale of the random query weights (the planted dims excepted)")
+    add_planting_args(ap)
     ap.add_argument("--normalizer", nargs="+", default=["exact"], choices=["exact", "anchored"],
                     help="Sift's normaliser(s): a sift row per choice (anchored: row 'sift_anchored')")
     ap.add_argument("--prefill-chunk", type=int, default=8192)
@@ -390,8 +417,6 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="torch.compile the decode step's model code (both fast paths)")
     ap.add_argument("--out", type=Path, default=Path("bench_generate.json"))
     args = ap.parse_args()
-    if not 0 <= args.head_corr <= 1:
-        ap.error(f"--head-corr must lie in [0, 1], got {args.head_corr}")
 
     report: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "args": vars(args) | {"out": str(args.out)}}
     import transformers
@@ -401,10 +426,7 @@ def main() -> None:
         report["check"] = check()
         print("check:", json.dumps(report["check"]), flush=True)
     report["copy_bw_tb_s"] = copy_bandwidth() / 1e12
-    model = build(attention_bias=args.plant_std > 0)
-    if args.plant_std > 0:
-        plant_attention(model, args.plant_std, args.head_corr)
-    set_q_scale(model, args.q_scale)
+    model = planted_model(args)
     report["q_scale"] = args.q_scale
     if args.profile:
         batch, prompt = (int(x) for x in args.settings[0].split("x"))

@@ -36,20 +36,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_generate import build, copy_bandwidth, fast, free, plant_attention, profile_steps, set_q_scale  # noqa: E402
+from bench_generate import add_planting_args, copy_bandwidth, fast, floor_ms, free, planted_model, profile_steps, weight_bytes  # noqa: E402
 
 from siftattention import Full, Sift  # noqa: E402
-
-
-def local_bytes(tensor: torch.Tensor) -> int:
-    """Bytes this rank holds of a parameter (a DTensor's local shard)."""
-    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-    return local.numel() * local.element_size()
-
-
-def kv_bytes_per_gpu(config, batch: int, seq: int, world: int) -> int:
-    head_dim = config.hidden_size // config.num_attention_heads
-    return 2 * batch * seq * config.num_hidden_layers * (config.num_key_value_heads // world) * head_dim * 2
 
 
 def all_reduce_ms(model, batch: int, device: torch.device, replays: int = 100) -> float:
@@ -95,16 +84,15 @@ def worker(model_dir: str, options: str, out: str) -> None:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, device_map={"": 0}).eval()
     load_s = time.perf_counter() - start
     device = next(model.parameters()).device
-    weights = sum(local_bytes(p) for p in model.parameters())
     bandwidth = copy_bandwidth()
-    result = {"world": world, "device": torch.cuda.get_device_name(device), "load_s": load_s, "weights_bytes_per_gpu": weights,
+    result = {"world": world, "device": torch.cuda.get_device_name(device), "load_s": load_s, "weights_bytes_per_gpu": weight_bytes(model),
               "copy_bw_tb_s": bandwidth / 1e12, "rows": []}
 
     def save() -> None:  # after every part, so that a run cut short keeps what it measured
         if rank == 0:
             Path(out).write_text(json.dumps(result, indent=1))
 
-    if args.get("profile"):
+    if args["profile"]:
         batch, prompt = (int(x) for x in args["settings"][0].split("x"))
         ids = torch.randint(3, 128000, (batch, prompt), generator=torch.Generator().manual_seed(0)).to(device)
         # Eager: a rank's collectives also count the time spent waiting for the other rank's launches.
@@ -112,11 +100,10 @@ def worker(model_dir: str, options: str, out: str) -> None:
         if rank == 0:
             print(f"profile of one eager dense decode step, rank 0, {args['settings'][0]}:\n{result['profile']}", flush=True)
         save()
-    for setting in [] if args.get("no_generate") else args["settings"]:
+    for setting in [] if args["no_generate"] else args["settings"]:
         batch, prompt = (int(x) for x in setting.split("x"))
         ids = torch.randint(3, 128000, (batch, prompt), generator=torch.Generator().manual_seed(batch * prompt)).to(device)
-        floor = (weights + kv_bytes_per_gpu(model.config, batch, prompt + args["new"] // 2, world)) / bandwidth * 1e3
-        row = {"batch": batch, "prompt": prompt, "floor_ms": floor}
+        row = {"batch": batch, "prompt": prompt, "floor_ms": floor_ms(model, batch, prompt + args["new"] // 2, bandwidth, world)}
         if world > 1:
             row["all_reduce_ms"] = all_reduce_ms(model, batch, device)
         for name, method in (("dense", Full()), ("sift", Sift(tau=args["tau"], warmup=args["warmup"]))):
@@ -137,10 +124,7 @@ def worker(model_dir: str, options: str, out: str) -> None:
 def save_model(directory: Path, args: argparse.Namespace) -> float:
     """Build the planted 8B-shape model on the first GPU and save it; the seconds it took."""
     start = time.perf_counter()
-    model = build(layers=args.layers, attention_bias=args.plant_std > 0)
-    if args.plant_std > 0:
-        plant_attention(model, args.plant_std, args.head_corr)
-    set_q_scale(model, args.q_scale)
+    model = planted_model(args, layers=args.layers)
     model.save_pretrained(directory)
     del model
     free()
@@ -196,9 +180,7 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--tau", type=float, default=0.875)
     ap.add_argument("--warmup", type=int, default=16)
-    ap.add_argument("--plant-std", type=float, default=2.0)
-    ap.add_argument("--head-corr", type=float, default=0.0)
-    ap.add_argument("--q-scale", type=float, default=0.1)
+    add_planting_args(ap)
     ap.add_argument("--prefill-chunk", type=int, default=8192)
     ap.add_argument("--compile", action="store_true", help="torch.compile the decode step's model code (both paths)")
     ap.add_argument("--profile", action="store_true", help="print the kernels of one eager dense decode step (the first setting)")
@@ -211,8 +193,6 @@ def main() -> None:
             ap.error(f"--settings takes BATCHxPROMPT, for example 8x32768; got {setting!r}")
     if args.tp < 2:
         ap.error(f"--tp must be at least 2 (the one-GPU run is the reference), got {args.tp}")
-    if not 0 <= args.head_corr <= 1:
-        ap.error(f"--head-corr must lie in [0, 1], got {args.head_corr}")
     if torch.cuda.device_count() < args.tp:
         ap.error(f"--tp {args.tp} needs {args.tp} GPUs, this machine shows {torch.cuda.device_count()}")
     if 8 % args.tp:

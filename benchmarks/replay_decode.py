@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_decode import make_inputs, thresholds  # noqa: E402
 from cpu_sparse_breakdown import timed  # noqa: E402
-from bench_generate import build, capture_decode_calls, free, kept_counts, kept_masks, plant_attention, set_q_scale  # noqa: E402
+from bench_generate import add_planting_args, capture_decode_calls, free, kept_counts, kept_masks, planted_model  # noqa: E402
 
 from siftattention import Sift  # noqa: E402
 from siftattention.kernels import DecodeKernels  # noqa: E402
@@ -185,9 +185,7 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=4, help="decoder layers of the 8B shape to build (each replayed)")
     ap.add_argument("--tau", type=float, default=0.875)
     ap.add_argument("--warmup", type=int, default=16)
-    ap.add_argument("--plant-std", type=float, default=2.0)
-    ap.add_argument("--head-corr", type=float, default=0.0)
-    ap.add_argument("--q-scale", type=float, default=0.1)
+    add_planting_args(ap)
     ap.add_argument("--interleave", type=int, nargs="*", default=[0, 256],
                     help="filter-split chunk sizes to time on the captured inputs (0: contiguous splits)")
     ap.add_argument("--smoke", action="store_true", help="tiny CPU version: checks the script, measures nothing useful")
@@ -198,15 +196,12 @@ def main() -> int:
         ap.error("needs a CUDA device (or --smoke)")
     batch, prompt = (int(x) for x in args.setting.split("x"))
     if cuda:
-        model = build(layers=args.layers, attention_bias=args.plant_std > 0)
+        model = planted_model(args, layers=args.layers)
         device = "cuda"
     else:
-        model = build(layers=2, dtype=torch.float32, device="cpu", attention_bias=True, hidden_size=256, intermediate_size=512,
+        model = planted_model(args, layers=2, dtype=torch.float32, device="cpu", attention_bias=True, hidden_size=256, intermediate_size=512,
                       num_attention_heads=8, num_key_value_heads=2, vocab_size=512)
         device, batch, prompt = "cpu", 2, 300
-    if args.plant_std > 0:
-        plant_attention(model, args.plant_std, args.head_corr)
-    set_q_scale(model, args.q_scale)
     vocab = model.config.vocab_size
     ids = torch.randint(3, vocab - 1, (batch, prompt), device=device)
     method, calls, handle = capture_decode_calls(model, ids, args.tau, args.warmup)

@@ -1,11 +1,11 @@
 import copy
-import inspect
 
 import pytest
 import torch
 
 from conftest import tiny_llama, tiny_qwen2
 from siftattention import H2O, Full, Oracle, Sift, TopK, apply
+from siftattention.generation.loop import _cache_kwarg, _forward_kwargs
 from siftattention.hf import UnsupportedModelError
 
 
@@ -182,7 +182,7 @@ def test_teacher_forced_equals_token_by_token_decode(where, request):
         full = torch.log_softmax(_logits(model, ids), -1)
         alpha_tf = handle.stats.alpha.clone()
         cache = DynamicCache(config=model.config)
-        cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"  # renamed in 5.24
+        cache_arg = _cache_kwarg(_forward_kwargs(model))
         steps = []
         with torch.no_grad():
             for i in range(ids.shape[1]):

@@ -692,8 +692,7 @@ def test_functional_api_eta_edges_and_starts():
 
 # (B, Hq, Hkv, S, D, dtype, config overrides). Small blocks and splits so that odd
 # lengths cross tile, split and compaction boundaries.
-SMALL = dict(block_n1=16, block_n2=16, block_a=32, scan_elems=0, min_split1=16, min_split2=16,
-             quantile_block=32,
+SMALL = dict(block_n1=16, block_n2=16, block_a=32, scan_elems=0, min_split1=16, min_split2=16, quantile_block=32,
              block_nd=16, min_splitd=16, block_nb=16, block_n2_gqa=16, block_nb_gqa=32, quantile_parallel=True,
              interleave2=0)
 TRITON_CASES = [

@@ -177,6 +177,11 @@ def _forward_kwargs(model: torch.nn.Module) -> set[str]:
     return set(inspect.signature(model.forward).parameters)
 
 
+def _cache_kwarg(accepts: set[str]) -> str:
+    """The forward's name for the cache: ``cache`` from transformers 5.24 (the old name warns)."""
+    return "cache" if "cache" in accepts else "past_key_values"
+
+
 class _Loop:
     """One generation: buffers, the prefill and the per-phase decode steps of one batch."""
 
@@ -192,8 +197,7 @@ class _Loop:
         self.cache = FixedCache(model.config, self.P + self.T)
         self.ctx = DecodeContext(self.P - mask.sum(1), self.P)
         self.accepts = _forward_kwargs(model)
-        # transformers 5.24 renamed the forward's cache argument (the old name warns).
-        self.cache_arg = "cache" if "cache" in self.accepts else "past_key_values"
+        self.cache_arg = _cache_kwarg(self.accepts)
         self.tokens = torch.zeros(self.B, dtype=torch.long, device=self.device)
         self.positions = torch.zeros(self.B, dtype=torch.long, device=self.device)
         self.out = torch.full((self.B, self.T), pad_token_id, dtype=torch.long, device=self.device)
