@@ -235,6 +235,7 @@ def run_check(args):
         (2, 16, 2, 20000, 64, torch.bfloat16, False, True),
         (1, 28, 4, 333, 96, torch.float16, True, False),
         (1, 32, 8, 65537, 128, torch.float16, True, False),
+        (1, 32, 8, 8200, 128, torch.bfloat16, True, False),  # B = 1: filter splits of 128-key runs
         (2, 32, 16, 5000, 128, torch.bfloat16, True, False),
         (3, 4, 1, 2051, 256, torch.float32, True, False),  # Gemma-3's heads: 256 wide, one KV head
         (2, 8, 2, 9000, 256, torch.bfloat16, True, True),

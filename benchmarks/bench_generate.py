@@ -398,6 +398,38 @@ def check() -> dict:
     return out
 
 
+def kernel_overrides(text: str) -> dict:
+    """argparse type: a JSON object of ``KernelConfig`` fields, checked before any work starts."""
+    from dataclasses import fields
+
+    from siftattention.kernels.triton_decode import KernelConfig
+
+    try:
+        over = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"not JSON: {err}") from None
+    if not isinstance(over, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object of KernelConfig fields")
+    unknown = sorted(set(over) - {f.name for f in fields(KernelConfig)})
+    if unknown:
+        raise argparse.ArgumentTypeError(f"not KernelConfig fields: {', '.join(unknown)}")
+    try:
+        KernelConfig(**over)
+    except (TypeError, ValueError) as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return over
+
+
+def use_kernel_overrides(over: dict) -> None:
+    """Every kernel plan of this process takes ``over`` on top of its device's own launch parameters."""
+    from siftattention.kernels import triton_decode as td
+
+    merged = {key: {**device_over, **over} for key, device_over in td.DEVICE_CONFIGS.items()}
+    merged[""] = dict(over)  # "" is in every device name: devices without an entry of their own
+    td.DEVICE_CONFIGS.clear()
+    td.DEVICE_CONFIGS.update(merged)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--settings", nargs="+", default=["8x16384", "8x32768", "16x32768", "1x8192"], help="BATCHxPROMPT")
@@ -415,8 +447,11 @@ def main() -> None:
     ap.add_argument("--attention-share", action="store_true", help="time the attention of one step alone (dense, sparse)")
     ap.add_argument("--no-generate", action="store_true", help="skip the generation rows (with --attention-share, --profile)")
     ap.add_argument("--compile", action="store_true", help="torch.compile the decode step's model code (both fast paths)")
+    ap.add_argument("--kernel-config", type=kernel_overrides, default={}, metavar="JSON",
+                    help='KernelConfig fields for every kernel plan of the run, e.g. \'{"interleave2_runs": 1}\'')
     ap.add_argument("--out", type=Path, default=Path("bench_generate.json"))
     args = ap.parse_args()
+    use_kernel_overrides(args.kernel_config)
 
     report: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "args": vars(args) | {"out": str(args.out)}}
     import transformers

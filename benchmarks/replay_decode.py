@@ -13,6 +13,8 @@ so the thresholds themselves are not varied):
 - ``interleaveN``: the captured inputs through filter splits that take every
   ``ns2``-th run of N keys (``KernelConfig.interleave2``); ``interleave0``: one
   contiguous range per split;
+- ``equal_heads``: the captured inputs with every head's threshold placed so that it keeps
+  the mean share (``bench_decode.thresholds``): the kept set's spread over heads removed;
 - ``synthetic``: ``bench_decode.make_inputs`` of the same shape at the same realized
   sparsity (independent heads), bf16.
 
@@ -71,15 +73,19 @@ def kept_layout(q, k, eta, seq_lens, scale: float, splits: int, bins: int = 32) 
         edges = torch.linspace(0, rows.shape[-1], parts + 1).round().long().tolist()
         return torch.stack([rows[:, a:e].sum(-1) for a, e in zip(edges[:-1], edges[1:])], -1)
 
-    per_split, hist = [], torch.zeros(bins, dtype=torch.float64)
+    per_split, per_group, per_head, hist = [], [], [], torch.zeros(bins, dtype=torch.float64)
     for keep in kept_masks(q, k, eta, seq_lens, scale):
         rows = keep.any(1).double()  # [Hkv, n]
         per_split.append(range_sums(rows, splits).flatten())
+        per_group.append(rows.sum(-1))
+        per_head.append(keep.double().mean(-1).flatten())
         h = range_sums(rows, bins)
         hist += (h / h.sum(-1, keepdim=True).clamp_min(1)).mean(0).cpu()
-    counts = torch.cat(per_split)
+    counts, groups, heads = torch.cat(per_split), torch.cat(per_group), torch.cat(per_head)
     return {"splits": splits, "split_max_over_mean": float(counts.max() / counts.mean().clamp_min(1e-9)),
             "split_cv": float(counts.std() / counts.mean().clamp_min(1e-9)),
+            "group_max_over_mean": float(groups.max() / groups.mean().clamp_min(1e-9)),
+            "head_kept": [round(float(x), 4) for x in (heads.min(), heads.median(), heads.max())],
             "bins": [round(float(x), 4) for x in hist / q.shape[0]]}
 
 
@@ -156,6 +162,12 @@ def layer_variants(call, cuda: bool, gen: torch.Generator, chunks: tuple[int, ..
         record("shuffled", lambda: plan_p.sparse(q, kp, vp, eta, seq_lens, starts), q, kp, eta, seq_lens)
         del kp, vp
 
+    # The captured keys with every head keeping the same share (the mean): only the spread of
+    # the kept share over heads (and so over KV groups) changes.
+    if bool((seq_lens == n).all()):
+        (eq_eta, _, _), = thresholds(q, k[:, :, :n], [realized])
+        record("equal_heads", lambda: plan.sparse(q, k, v, eq_eta, seq_lens, starts), q, k, eq_eta, seq_lens)
+
     B, Hq, D = q.shape
     qs, ks, vs = make_inputs(B, Hq, k.shape[1], n, D, q.dtype, 2.0, 0.0, gen) if cuda else _cpu_inputs(B, Hq, k.shape[1], n, D, gen)
     full = torch.full((B,), n, dtype=torch.int32, device=q.device)
@@ -220,7 +232,7 @@ def main() -> int:
         free() if cuda else None
     args.out.write_text(json.dumps(report, indent=1))
 
-    names = ["in_loop", "shuffled"] + [f"interleave{c}" for c in args.interleave] + ["synthetic"]
+    names = ["in_loop", "shuffled"] + [f"interleave{c}" for c in args.interleave] + ["equal_heads", "synthetic"]
     print(f"\n{report['device']}, {args.setting}, {len(calls)} layers, tau {args.tau}, warmup {args.warmup}: ms per layer "
           "(kept per head / V rows); dense kernel and SDPA on the captured inputs")
     print("layer | " + " | ".join(names) + " | dense | sdpa")
@@ -235,6 +247,7 @@ def main() -> int:
         for r in report["layers"]:
             lay = r["layout"]
             print(f"{r['layer']:5d} | {lay['split_max_over_mean']:.2f} (cv {lay['split_cv']:.2f}, {lay['splits']} splits) | "
+                  f"groups max/mean {lay['group_max_over_mean']:.2f} | head kept {lay['head_kept']} | "
                   f"{lay['bins'][:4]} ... {lay['bins'][-4:]}")
     return 0
 

@@ -694,7 +694,7 @@ def test_functional_api_eta_edges_and_starts():
 # lengths cross tile, split and compaction boundaries.
 SMALL = dict(block_n1=16, block_n2=16, block_a=32, scan_elems=0, min_split1=16, min_split2=16, quantile_block=32,
              block_nd=16, min_splitd=16, block_nb=16, block_n2_gqa=16, block_nb_gqa=32, quantile_parallel=True,
-             interleave2=0)
+             interleave2=0, interleave2_runs=1)
 TRITON_CASES = [
     (2, 4, 4, 37, 64, "float32", {"quantile_parallel": False}),  # one quantile program per row
     (2, 4, 4, 45, 64, "float16", {"scan_elems": 64, "reuse_sync": False}),  # MHA scan rows of 64 keys
@@ -1011,6 +1011,10 @@ def test_interleave_chunk_rule():
     assert _chunk(256, 2048, 16) == 128  # every split of a full row gets a chunk
     assert _chunk(200, 100000, 4) == 256  # rounded up to a power of two
     assert _chunk(256, 100, 16) == 0  # rows too short for chunks of 8: contiguous splits
+    # With at least 4 runs a split: B = 1, S = 8192 (+ 256 new keys) has 16 splits of ~528 keys.
+    assert _chunk(256, 8448, 16, runs=4) == 128 and _chunk(256, 16640, 16, runs=4) == 256
+    assert _chunk(256, 32768, 8, runs=4) == 256  # longer splits keep the full chunk
+    assert _chunk(256, 600, 16, runs=4) == 8 and _chunk(256, 100, 16, runs=4) == 0  # the floor and the fallback
 
 
 def test_triton_reused_counters_return_to_zero(triton_results):

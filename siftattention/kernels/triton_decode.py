@@ -146,6 +146,12 @@ class KernelConfig:
     # with 256 (128, 512, 1024 gain less); on bench_decode's evenly spread keys it costs
     # 0.5-2.3% at s = 0.875 and 2-8% at s = 0 (replay_decode.py, BENCHMARKS.md).
     interleave2: int = 256
+    # ... made shorter until each split of a full-length row gets at least this many runs: at
+    # B = 1, S = 8192 (16 splits of 512 keys) 256-key runs give a split 2 of them, too few to
+    # spread the keys that crowd the first positions (H200, captured calls of the planted 8B
+    # shape: filter pass 22 -> 14 us, 0.036 -> 0.029 ms a layer with 128-key runs, as shuffled
+    # positions; 32 and 64 no better; unchanged where the splits are longer; replay_b1_*).
+    interleave2_runs: int = 4
     fused_combine: bool = True  # last split program reduces (no separate combine launch)
     quantile_block: int = 2048
     quantile_warps: int = 8
@@ -308,13 +314,14 @@ def _splits(s_max: int, rows: int, block_n: int, programs_per_sm: int, sms: int,
     return n
 
 
-def _chunk(want: int, s_max: int, splits: int) -> int:
+def _chunk(want: int, s_max: int, splits: int, runs: int = 1) -> int:
     """Keys per interleaved filter chunk: ``want`` (a power of two), halved until every split
-    of a full-length row gets a chunk; 0 (contiguous splits) below 8."""
+    of a full-length row gets ``runs`` chunks (or chunks reach 8 keys); 0 (contiguous splits)
+    where not every split gets one chunk of 8."""
     if want <= 0:
         return 0
     chunk = _pow2(want)
-    while chunk > 8 and chunk * splits > s_max:
+    while chunk > 8 and chunk * splits * max(1, runs) > s_max:
         chunk //= 2
     return chunk if chunk * splits <= s_max else 0
 
@@ -354,7 +361,7 @@ def _plan(
         BLOCK_G=max(16, _pow2(G)) if cfg.use_dot else _pow2(G),
         BLOCK_GA=_pow2(G),
         BLOCK_A=max(cfg.block_a, cfg.scan_elems // _pow2(G)),
-        CHUNK2=_chunk(cfg.interleave2, S, ns2),
+        CHUNK2=_chunk(cfg.interleave2, S, ns2, cfg.interleave2_runs),
         BLOCK_D=max(16, _pow2(D)),
         prec="ieee" if dtype == torch.float32 else "tf32",
         upcast=dtype == torch.bfloat16 and interp,
