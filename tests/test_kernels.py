@@ -1017,6 +1017,19 @@ def test_interleave_chunk_rule():
     assert _chunk(256, 600, 16, runs=4) == 8 and _chunk(256, 100, 16, runs=4) == 0  # the floor and the fallback
 
 
+def test_h200_plan_shortens_runs_only_for_short_b1_rows():
+    """The H200's plans (132 SMs): 128-key runs at B = 1 with an 8448-key cache, 256 on the longer shapes."""
+    from siftattention.kernels.triton_decode import KernelConfig, _plan
+
+    def chunk(B, Hkv, S):
+        return _plan(B, 32, Hkv, S, 128, torch.bfloat16, 132, True, False, KernelConfig())["CHUNK2"]
+
+    assert chunk(1, 8, 8448) == 128
+    assert chunk(1, 8, 16640) == chunk(1, 8, 32768) == chunk(8, 8, 33024) == chunk(16, 8, 33024) == chunk(8, 32, 8192) == 256
+    with pytest.raises(ValueError, match="interleave2_runs"):
+        KernelConfig(interleave2_runs=0)
+
+
 def test_triton_reused_counters_return_to_zero(triton_results):
     assert triton_results["sync_buffers"] >= 2  # one per (device, stream, rows) shape seen, summed over processes
     assert triton_results["sync_nonzero"] == 0

@@ -146,7 +146,7 @@ class KernelConfig:
     # with 256 (128, 512, 1024 gain less); on bench_decode's evenly spread keys it costs
     # 0.5-2.3% at s = 0.875 and 2-8% at s = 0 (replay_decode.py, BENCHMARKS.md).
     interleave2: int = 256
-    # ... made shorter until each split of a full-length row gets at least this many runs: at
+    # The run is halved until each split of a full-length row gets at least this many: at
     # B = 1, S = 8192 (16 splits of 512 keys) 256-key runs give a split 2 of them, too few to
     # spread the keys that crowd the first positions (H200, captured calls of the planted 8B
     # shape: filter pass 22 -> 14 us, 0.036 -> 0.029 ms a layer with 128-key runs, as shuffled
@@ -233,7 +233,7 @@ class KernelConfig:
         for name in ("quantile_bracket_bits", "quantile_bracket_bits_short"):
             if not 4 <= getattr(self, name) <= 12:
                 raise ValueError(f"KernelConfig.{name} must be in 4..12, got {getattr(self, name)}")
-        for name, least in (("quantile_margin", 0), ("quantile_resident", 1), ("min_splitq", 1)):
+        for name, least in (("quantile_margin", 0), ("quantile_resident", 1), ("min_splitq", 1), ("interleave2_runs", 1)):
             if getattr(self, name) < least:
                 raise ValueError(f"KernelConfig.{name} must be >= {least}, got {getattr(self, name)}")
         for name in ("maxnreg1", "maxnreg2", "maxnregd", "maxnregq"):
@@ -321,7 +321,7 @@ def _chunk(want: int, s_max: int, splits: int, runs: int = 1) -> int:
     if want <= 0:
         return 0
     chunk = _pow2(want)
-    while chunk > 8 and chunk * splits * max(1, runs) > s_max:
+    while chunk > 8 and chunk * splits * runs > s_max:
         chunk //= 2
     return chunk if chunk * splits <= s_max else 0
 
