@@ -56,6 +56,35 @@ DEV = os.environ.get("BENCH_DEVICE", "cuda")
 # ----------------------------------------------------------------------------- data
 
 
+def kernel_overrides(text: str) -> dict:
+    """argparse type: a JSON object of ``KernelConfig`` fields, checked before any work starts."""
+    from dataclasses import fields
+
+    try:
+        over = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"not JSON: {err}") from None
+    if not isinstance(over, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object of KernelConfig fields")
+    unknown = sorted(set(over) - {f.name for f in fields(td.KernelConfig)})
+    if unknown:
+        raise argparse.ArgumentTypeError(f"not KernelConfig fields: {', '.join(unknown)}")
+    try:
+        td.KernelConfig(**over)
+    except (TypeError, ValueError) as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return over
+
+
+def use_kernel_overrides(over: dict) -> None:
+    """Every later kernel plan of this process takes ``over`` on top of its device's own launch parameters."""
+    from dataclasses import replace
+
+    td._DEFAULT = replace(td._DEFAULT, **over)
+    for device_over in td.DEVICE_CONFIGS.values():
+        device_over.update(over)
+
+
 def make_inputs(B, Hq, Hkv, S, D, dtype, logit_std, group_corr, gen):
     """Peaky scores: k ~ N(0, 1), q ~ N(0, logit_std^2), heads of a group correlated."""
     dev = DEV
@@ -851,7 +880,8 @@ def main():
     ap.add_argument("--anchored", type=int, nargs="*", metavar="N",
                     help="also time Sift(normalizer='anchored')'s step, one-pass and two-pass (anchors FIRST LAST, default 64 256)")
     ap.add_argument("--check", action="store_true")
-    ap.add_argument("--config", help='KernelConfig overrides for every mode as JSON, e.g. {"tma1": true}')
+    ap.add_argument("--config", type=kernel_overrides, metavar="JSON",
+                    help='KernelConfig overrides for every mode (the sweep, --check, --ncu, --tune-grid\'s base), e.g. {"stages1": 4}')
     ap.add_argument("--tune", action="store_true")
     ap.add_argument("--tune-pass1", action="store_true", help="--tune: the scores pass only, configs from --grid")
     ap.add_argument("--tune-grid", action="store_true", help="whole decode step over KernelConfig overrides vs SDPA")
@@ -863,11 +893,7 @@ def main():
     ap.add_argument("--render", nargs="+", metavar="JSON", help="print markdown tables from result files")
     args = ap.parse_args()
     if args.config:
-        # Every mode (the sweep, --check, --ncu, --tune-grid's base) uses the device's config with these overrides.
-        from dataclasses import replace
-
-        td._DEFAULT = replace(td.config_for(torch.device(DEV)), **json.loads(args.config))
-        td.DEVICE_CONFIGS.clear()
+        use_kernel_overrides(args.config)
     if not args.tune_grid:
         args.sparsity = args.sparsity or [0.0, 0.5, 0.75, 0.875, 0.95]
     if args.render:

@@ -45,6 +45,9 @@ import torch
 from siftattention import Full, Sift, apply
 from siftattention.generation import generate
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_decode import kernel_overrides, use_kernel_overrides  # noqa: E402
+
 LLAMA_8B = dict(
     vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
     num_key_value_heads=8, max_position_embeddings=131072, rope_theta=500000.0, rms_norm_eps=1e-5,
@@ -396,38 +399,6 @@ def check() -> dict:
     del model
     free()
     return out
-
-
-def kernel_overrides(text: str) -> dict:
-    """argparse type: a JSON object of ``KernelConfig`` fields, checked before any work starts."""
-    from dataclasses import fields
-
-    from siftattention.kernels.triton_decode import KernelConfig
-
-    try:
-        over = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise argparse.ArgumentTypeError(f"not JSON: {err}") from None
-    if not isinstance(over, dict):
-        raise argparse.ArgumentTypeError("expected a JSON object of KernelConfig fields")
-    unknown = sorted(set(over) - {f.name for f in fields(KernelConfig)})
-    if unknown:
-        raise argparse.ArgumentTypeError(f"not KernelConfig fields: {', '.join(unknown)}")
-    try:
-        KernelConfig(**over)
-    except (TypeError, ValueError) as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
-    return over
-
-
-def use_kernel_overrides(over: dict) -> None:
-    """Every kernel plan of this process takes ``over`` on top of its device's own launch parameters."""
-    from siftattention.kernels import triton_decode as td
-
-    merged = {key: {**device_over, **over} for key, device_over in td.DEVICE_CONFIGS.items()}
-    merged[""] = dict(over)  # "" is in every device name: devices without an entry of their own
-    td.DEVICE_CONFIGS.clear()
-    td.DEVICE_CONFIGS.update(merged)
 
 
 def main() -> None:
