@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import click
@@ -63,14 +64,16 @@ def prepare_methods(model, methods: list) -> None:
             method.prepare(model, on_progress)
 
 
-def _load(model_name: str):
+def _load(model_name: str, device: str = "cpu", dtype: str = "float32"):
+    import torch
+
     from .models import load_model
     from .parallel import launched_by_torchrun
 
     sharded = launched_by_torchrun()
     with console.status(f"loading {model_name} ..."):
         start = time.perf_counter()
-        model, tokenizer = load_model(model_name, tensor_parallel=sharded)
+        model, tokenizer = load_model(model_name, tensor_parallel=sharded, device=device, dtype=getattr(torch, dtype))
     sharded_over = f", heads sharded over {os.environ['WORLD_SIZE']} tensor-parallel ranks" if sharded else ""
     console.print(f"model: {model_name} ({type(model).__name__}{sharded_over}) loaded in {time.perf_counter() - start:.1f} s")
     return model, tokenizer
@@ -146,15 +149,45 @@ def complete_text(tokenizer, new_ids) -> str:
     return text.rstrip("\ufffd")
 
 
-def generate_text(model, tokenizer, prompt: str, spec: str, max_new_tokens: int, chat: bool = True) -> tuple[str, float, float | None]:
-    """Greedy generation with a method; returns (text, realized sparsity, post-warmup realized sparsity).
+@dataclass
+class Generation:
+    """One method's greedy generation as ``sift generate`` reports it."""
 
-    The post-warmup sparsity is None when the method has a warmup and no step came after it.
+    spec: str
+    text: str
+    new_tokens: int
+    sparsity: float
+    sparsity_post_warmup: float | None  # None: the method has a warmup and no step came after it
+    path: str  # "fast" (siftattention.generate) or "transformers" (its generate under apply)
+    seconds: float  # prefill and decode
+    steady_tokens_per_s: float | None  # fast path: the last phase's median step, after capture
+    fallback_reason: str | None = None
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds > 0 else float("nan")
+
+
+GENERATE_PATHS = ("auto", "fast", "reference")
+
+
+def generate_text(model, tokenizer, prompt: str, spec: str, max_new_tokens: int, chat: bool = True, path: str = "auto") -> Generation:
+    """Greedy generation with a method, timed, with its realized sparsity.
+
+    ``path``: "fast" or "auto" decode through ``siftattention.generate`` (which itself falls
+    back to transformers' ``generate`` for a method it cannot serve, saying why in
+    ``fallback_reason``); "reference" through transformers' ``generate`` under ``apply``.
+    Both give the same tokens.
     """
+    import warnings
+
     import torch
 
+    from .generation import generate
     from .hf import apply
 
+    if path not in GENERATE_PATHS:
+        raise ValueError(f"path must be one of {', '.join(GENERATE_PATHS)}, got {path!r}")
     if chat and getattr(tokenizer, "chat_template", None):
         ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True)
     else:
@@ -162,12 +195,33 @@ def generate_text(model, tokenizer, prompt: str, spec: str, max_new_tokens: int,
     ids = ids.to(model.device)  # a tensor-parallel rank's model is on that rank's device
     method = parse_method(spec)
     prepare_methods(model, [(spec, method)])
-    with apply(model, method) as handle, torch.no_grad():
-        out = model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id)
-        sparsity = handle.stats.realized_sparsity()
-        none_after_warmup = method.warmup > 0 and handle.stats.step_count(post_warmup=True) == 0
-        post = None if none_after_warmup else handle.stats.realized_sparsity(post_warmup=True)
-    return complete_text(tokenizer, out[0, ids["input_ids"].shape[1] :]), sparsity, post
+    prompt_len = ids["input_ids"].shape[1]
+    steady = reason = None
+    if path == "reference":
+        sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
+        with apply(model, method) as handle, torch.no_grad():
+            start = time.perf_counter()
+            out = model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+            sync()
+            seconds = time.perf_counter() - start
+            stats = handle.stats
+        new_ids, fast = out[0, prompt_len:], False
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the fallback's one-line notice: reported as the path's reason
+            res = generate(model, ids["input_ids"], ids["attention_mask"], method, max_new_tokens=max_new_tokens,
+                           pad_token_id=tokenizer.eos_token_id)
+        stats, fast, reason = res.stats, res.fast, res.fallback_reason
+        new_ids = res.new_tokens[0, : int(res.num_generated[0])]
+        seconds = res.timings.get("total_s", res.timings.get("prefill_s", 0.0) + res.timings.get("decode_s", 0.0))
+        phases = [p for name, p in res.timings.get("phases", {}).items() if not name.startswith("after_")]
+        if phases:
+            steady = 1e3 / phases[-1]["steady_ms"]
+    none_after_warmup = method.warmup > 0 and stats.step_count(post_warmup=True) == 0
+    return Generation(
+        spec=spec, text=complete_text(tokenizer, new_ids), new_tokens=int(new_ids.shape[0]), sparsity=stats.realized_sparsity(),
+        sparsity_post_warmup=None if none_after_warmup else stats.realized_sparsity(post_warmup=True),
+        path="fast" if fast else "transformers", seconds=seconds, steady_tokens_per_s=steady, fallback_reason=reason)
 
 
 #: The commands that shard the model's heads over the ranks of a ``torchrun`` launch (rank 0 prints and writes).
@@ -204,30 +258,83 @@ def ppl(model_name: str, dataset: str, data_file: str | None, seq_len: int, num_
     run_ppl(model_name, dataset, data_file, seq_len, num_seqs, specs, out)
 
 
-@cli.command(help="Greedy generation with one or more methods, printed side by side.")
+@cli.command(help="Greedy generation with one or more methods, printed side by side, with tokens/s and realized sparsity.")
 @click.option("--model", "model_name", default="smollm2-135m", show_default=True)
 @click.option("--prompt", default=PAPER_PROMPT, help="defaults to the paper's appendix prompt")
 @click.option("--method", "specs", multiple=True, default=("full", "sift:tau=0.875,warmup=16"), show_default=True)
 @click.option("--max-new-tokens", default=96, show_default=True, type=click.IntRange(min=1))
-def generate(model_name: str, prompt: str, specs: tuple[str, ...], max_new_tokens: int) -> None:
+@click.option("--path", "gen_path", type=click.Choice(GENERATE_PATHS), default="auto", show_default=True,
+              help="decode path: the fast loop (siftattention.generate) or transformers' generate")
+@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda (unused under torchrun)")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None, help="also write generations.json here")
+def generate(model_name: str, prompt: str, specs: tuple[str, ...], max_new_tokens: int, gen_path: str, device: str, dtype: str,
+             out: Path | None) -> None:
+    from .cli_eval import _resolve_device
+    from .report import check_out_dir
+
     _parse_methods(specs)
-    model, tokenizer = _load(model_name)
-    _print_generations(model, tokenizer, prompt, specs, max_new_tokens)
+    device = _resolve_device(device)
+    if out is not None:
+        check_out_dir(out)
+    model, tokenizer = _load(model_name, device, dtype)
+    results = _print_generations(model, tokenizer, prompt, specs, max_new_tokens, gen_path)
+    if out is not None:
+        _write_generations(out / "generations.json", model_name, model, prompt, max_new_tokens, gen_path, results)
 
 
-def _print_generations(model, tokenizer, prompt: str, specs: tuple[str, ...], max_new_tokens: int) -> None:
+def _warm_up(model, tokenizer, path: str) -> None:
+    """One short untimed generation, so that one-time work (the CPU kernel's build, kernel compiles,
+    lazy initialisation) does not count against the first method timed."""
+    with console.status("warming up (kernels built and compiled once) ..."):
+        generate_text(model, tokenizer, "Hi", "full", 2, path=path)
+
+
+def _print_generations(model, tokenizer, prompt: str, specs: tuple[str, ...], max_new_tokens: int, path: str = "auto") -> list[Generation]:
     from rich.columns import Columns
     from rich.panel import Panel
+    from rich.table import Table
 
-    panels = []
+    _warm_up(model, tokenizer, path)
+    results, panels = [], []
     for spec in specs:
         with console.status(f"generating with {spec} ..."):
-            text, sparsity, post = generate_text(model, tokenizer, prompt, spec, max_new_tokens)
-        post_text = "n/a" if post is None else f"{post:.3f}"  # n/a: no step came after the warmup
-        subtitle = f"realized sparsity {sparsity:.3f} (post-warmup {post_text})"
-        panels.append(Panel(text.strip(), title=spec, subtitle=subtitle, width=60))
+            res = generate_text(model, tokenizer, prompt, spec, max_new_tokens, path=path)
+        results.append(res)
+        post_text = "n/a" if res.sparsity_post_warmup is None else f"{res.sparsity_post_warmup:.3f}"
+        subtitle = f"realized sparsity {res.sparsity:.3f} (post-warmup {post_text})"
+        panels.append(Panel(res.text.strip(), title=spec, subtitle=subtitle, width=60))
     console.print(Panel(prompt, title="prompt"))
     console.print(Columns(panels))
+    table = Table(title=f"{model.device.type}, {str(model.dtype).removeprefix('torch.')}: greedy, one prompt")
+    for name in ("method", "path", "new tokens", "seconds", "tokens/s", "steady tokens/s", "sparsity", "sparsity (post-w)"):
+        table.add_column(name, justify="left" if name in ("method", "path") else "right")
+    for res in results:
+        post = "n/a" if res.sparsity_post_warmup is None else f"{res.sparsity_post_warmup:.3f}"
+        steady = "n/a" if res.steady_tokens_per_s is None else f"{res.steady_tokens_per_s:.1f}"
+        table.add_row(res.spec, res.path, str(res.new_tokens), f"{res.seconds:.2f}", f"{res.tokens_per_s:.1f}", steady,
+                      f"{res.sparsity:.3f}", post)
+    console.print(table)
+    console.print("tokens/s: new tokens over the whole call (prefill included); steady: the decode loop's median step "
+                  "in its last phase (after Sift's warmup)", highlight=False)
+    for res in results:
+        if res.fallback_reason:
+            console.print(f"{res.spec}: transformers' generate ran ({res.fallback_reason})", highlight=False)
+    return results
+
+
+def _write_generations(path: Path, model_name: str, model, prompt: str, max_new_tokens: int, gen_path: str,
+                       results: list[Generation]) -> None:
+    from .parallel import is_main_rank
+    from .report import versions, write_json
+
+    if not is_main_rank():
+        return
+    payload = {"model": model_name, "device": model.device.type, "dtype": str(model.dtype).removeprefix("torch."),
+               "prompt": prompt, "max_new_tokens": max_new_tokens, "path": gen_path, "versions": versions(),
+               "results": [{**asdict(r), "tokens_per_s": r.tokens_per_s} for r in results]}
+    write_json(path, payload)
+    console.print(f"wrote {path}", highlight=False)
 
 
 @cli.command(help="The main job on the embedded model: the perplexity comparison, then Full vs Sift generation.")

@@ -43,7 +43,13 @@ def _resolve_device(device: str) -> str:
 
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
+    try:
+        kind = torch.device(device).type
+    except RuntimeError:
+        kind = None
+    if kind not in ("cpu", "cuda"):
+        raise ValueError(f"--device {device}: expected auto, cpu, cuda or cuda:N")
+    if kind == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {device}: no CUDA device is available")
     return device
 
@@ -97,6 +103,8 @@ def run_eval(task_name: str, model_name: str, specs: Sequence[str], *, out: Path
     settings = EvalSettings(model=model_name, max_new_tokens=max_new_tokens or task.default_max_new_tokens, batch_size=batch_size,
                             limit=limit, chat=chat, min_new_tokens=min_new_tokens, path=path, score=score, decode=decode)
     check_settings(settings)
+    if decode and loaded is None:
+        _resolve_device(device)
     check_out_dir(out)
     data = task.load(data_path)
     check_run(out / task.name, run_key(task, data, settings))

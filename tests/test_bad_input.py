@@ -162,6 +162,7 @@ CLI_ROWS: list[Cli] = [
     Cli("lm-eval --tasks x --out /proc/x", "--out /proc/x cannot be created in /proc"),
     Cli("analyze --out {file}/sub/dir", "cannot be created: {file} is a file"),
     Cli("demo --out /proc/x", "--out /proc/x cannot be created in /proc"),
+    Cli("generate --out {file}", "is a file"),
     # options and commands click checks
     Cli("ppl --seq-len x --method full", "Invalid value for '--seq-len': 'x' is not a valid integer range"),
     Cli("ppl --seq-len 1 --method full", "Invalid value for '--seq-len': 1 is not in the range x>=2"),
@@ -170,6 +171,9 @@ CLI_ROWS: list[Cli] = [
     Cli("ppl", "Missing option '--method'"),
     Cli("nope", "No such command 'nope'"),
     Cli("generate --max-new-tokens 0", "Invalid value for '--max-new-tokens'"),
+    Cli("generate --path compiled", "Invalid value for '--path': 'compiled' is not one of 'auto', 'fast', 'reference'"),
+    Cli("generate --device tpu", "--device tpu: expected auto, cpu, cuda or cuda:N"),
+    Cli("eval ifeval --method full --device gpu0", "--device gpu0: expected auto, cpu, cuda or cuda:N"),
     # models
     Cli("ppl --model no-such-org/no-such-model --data-file {corpus} --method full", "unknown model 'no-such-org/no-such-model'"),
     Cli("ppl --model {nocfg} --data-file {corpus} --method full", "is a directory without a config.json"),

@@ -145,15 +145,48 @@ def test_generate_says_n_a_when_no_step_came_after_the_warmup(embedded, capsys):
     from siftattention.cli import _print_generations, generate_text
 
     model, tokenizer = embedded
-    text, sparsity, post = generate_text(model, tokenizer, "Hello", "sift:warmup=1000", 4)
-    assert post is None and sparsity == 0.0 and text
-    _, _, post = generate_text(model, tokenizer, "Hello", "sift:tau=0.875,warmup=2", 6)
+    res = generate_text(model, tokenizer, "Hello", "sift:warmup=1000", 4)
+    assert res.sparsity_post_warmup is None and res.sparsity == 0.0 and res.text
+    post = generate_text(model, tokenizer, "Hello", "sift:tau=0.875,warmup=2", 6).sparsity_post_warmup
     assert post is not None and 0.0 < post < 1.0
-    assert generate_text(model, tokenizer, "Hello", "full", 2)[1:] == (0.0, 0.0)  # no warmup: every step counts
+    full = generate_text(model, tokenizer, "Hello", "full", 2)
+    assert (full.sparsity, full.sparsity_post_warmup) == (0.0, 0.0)  # no warmup: every step counts
     _print_generations(model, tokenizer, "Hello", ("sift:warmup=1000", "full"), 4)
     printed = " ".join(capsys.readouterr().out.split())
     assert "realized sparsity 0.000 (post-warmup n/a)" in printed
     assert "realized sparsity 0.000 (post-warmup 0.000)" in printed
+
+
+@pytest.mark.parametrize("spec", ["full", "sift:tau=0.875,warmup=3", "topk:k=0.25"])
+def test_generate_gives_the_same_text_and_sparsity_on_both_paths(embedded, spec):
+    from siftattention.cli import generate_text
+
+    model, tokenizer = embedded
+    fast = generate_text(model, tokenizer, "Name three rivers.", spec, 8, path="fast")
+    reference = generate_text(model, tokenizer, "Name three rivers.", spec, 8, path="reference")
+    assert (fast.path, reference.path) == ("fast", "transformers")
+    assert fast.text == reference.text and fast.new_tokens == reference.new_tokens == 8
+    assert fast.sparsity == pytest.approx(reference.sparsity, abs=1e-12)
+    assert fast.sparsity_post_warmup == pytest.approx(reference.sparsity_post_warmup, abs=1e-12)
+    assert fast.steady_tokens_per_s > 0 and reference.steady_tokens_per_s is None
+    assert fast.tokens_per_s == pytest.approx(8 / fast.seconds)
+
+
+def test_generate_writes_json_and_names_the_fallback(embedded, tmp_path, capsys, monkeypatch):
+    import siftattention.cli as cli_module
+
+    monkeypatch.setattr(cli_module, "_load", lambda name, device, dtype: embedded)
+    main(["generate", "--prompt", "Hello", "--method", "full", "--method", "h2o:k=0.5", "--max-new-tokens", "3",
+          "--out", str(tmp_path)])
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "h2o:k=0.5: transformers' generate ran (h2o has no device-side decode step" in printed
+    payload = json.loads((tmp_path / "generations.json").read_text())
+    assert payload["path"] == "auto" and payload["device"] == "cpu" and payload["max_new_tokens"] == 3
+    rows = {r["spec"]: r for r in payload["results"]}
+    assert rows["full"]["path"] == "fast" and rows["full"]["fallback_reason"] is None
+    assert rows["h2o:k=0.5"]["path"] == "transformers" and rows["h2o:k=0.5"]["steady_tokens_per_s"] is None
+    for row in rows.values():
+        assert row["new_tokens"] == 3 and row["tokens_per_s"] == pytest.approx(3 / row["seconds"]) and row["text"]
 
 
 def test_models_say_whether_each_is_installed(capsys):
