@@ -365,14 +365,14 @@ class SiftHandle:
         from .kernels import DecodeKernels
 
         B, Hq, _, D = query.shape
-        sig = (B, Hq, key.shape[1], key.shape[2], D, query.dtype, query.device, float(scaling))
+        # transformers' cache grows a key a step: plan for a power-of-two capacity, so the launch plan
+        # (and the kernel variants Triton compiles for it) changes only when the length doubles.
+        capacity = key.shape[2] if self.context is not None else plan_capacity(key.shape[2])
+        sig = (B, Hq, key.shape[1], capacity, D, query.dtype, query.device, float(scaling))
         plan = self._plans.get(sig)
         if plan is None:
-            if self.context is None:
-                # The reference path's cache grows every step: keep only the newest plan per shape family.
-                self._plans = {s: p for s, p in self._plans.items() if s[3] != sig[3] - 1}
             plan = DecodeKernels.plan(
-                batch=B, q_heads=Hq, kv_heads=key.shape[1], max_len=key.shape[2], head_dim=D, dtype=query.dtype,
+                batch=B, q_heads=Hq, kv_heads=key.shape[1], max_len=capacity, head_dim=D, dtype=query.dtype,
                 device=query.device, scale=float(scaling), renormalize=self.method.renormalize, backend=self.decode_backend,
             )
             self._plans[sig] = plan
@@ -396,6 +396,11 @@ def _model_attention(model: PreTrainedModel) -> Any:
         fn.owner = owner
         model.__dict__["_siftattention_attention"] = fn
     return fn
+
+
+def plan_capacity(length: int) -> int:
+    """The cache capacity the reference path plans a decode step for: a power of two, at least 128."""
+    return max(128, 1 << (length - 1).bit_length())
 
 
 def _key_range(mask: torch.Tensor | None, k_len: int, batch: int, device: torch.device) -> KeyRange:

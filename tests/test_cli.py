@@ -187,6 +187,7 @@ def test_generate_writes_json_and_names_the_fallback(embedded, tmp_path, capsys,
     assert rows["h2o:k=0.5"]["path"] == "transformers" and rows["h2o:k=0.5"]["steady_tokens_per_s"] is None
     for row in rows.values():
         assert row["new_tokens"] == 3 and row["tokens_per_s"] == pytest.approx(3 / row["seconds"]) and row["text"]
+        assert row["first_call_seconds"] > 0
 
 
 def test_models_say_whether_each_is_installed(capsys):

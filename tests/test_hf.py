@@ -318,3 +318,23 @@ def test_exact_attention_of_a_causal_chunk_matches_float64():
     k64, v64 = (t.double().repeat_interleave(Hq // Hkv, 1) for t in (k, v))
     p = (0.3 * q.double() @ k64.transpose(-1, -2)).masked_fill(~valid, float("-inf")).softmax(-1)
     torch.testing.assert_close(out.double(), p @ v64, rtol=1e-5, atol=1e-6)
+
+
+def test_plan_capacity_is_the_next_power_of_two_from_128():
+    from siftattention.hf import plan_capacity
+
+    assert [plan_capacity(n) for n in (1, 127, 128, 129, 255, 256, 257, 1000, 1024, 1025)] == \
+        [128, 128, 128, 256, 256, 256, 512, 1024, 1024, 2048]
+
+
+def test_generate_plans_decode_kernels_once_per_capacity():
+    # transformers' cache grows a key a step; one plan per power-of-two capacity serves it,
+    # so a Triton launch plan (and the kernel variants compiled for it) changes only when the length doubles.
+    model = tiny_llama(seed=9)
+    ids = torch.randint(3, 97, (2, 100))
+    with apply(model, Sift(tau=0.5, warmup=4)) as handle, torch.no_grad():
+        out = model.generate(ids, max_new_tokens=40, do_sample=False, min_new_tokens=40)
+        capacities = sorted({sig[3] for sig in handle._plans})
+        decoded = handle.stats.step_count()
+    assert out.shape[1] == 140 and decoded > 0
+    assert capacities == [128, 256]  # keys 100 to 139: two capacities, not 39 lengths

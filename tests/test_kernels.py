@@ -821,7 +821,8 @@ def _triton_persistent() -> dict:
     """The persistent scores pass, and (one part with it, both short) the failed-launch counters."""
     from siftattention.kernels.triton_decode import KernelConfig
 
-    return {"persistent": persistent_results(KernelConfig(**SMALL)), **_triton_failed_launch()}
+    return {"persistent": persistent_results(KernelConfig(**SMALL)), "capacity": capacity_results(KernelConfig(**SMALL)),
+            **_triton_failed_launch()}
 
 
 # The interpreter's work in parts, run side by side in subprocesses (one per core at a time).
@@ -872,6 +873,35 @@ def persistent_results(config) -> list[dict]:
         res.append(dict(case=i, dtype=dt, persistent=0 < programs < B * Hkv * kern.geometry["ns1"],
                         out_equal=bool(torch.equal(out_n, out_p)), kept_equal=bool(torch.equal(kept_n, kept_p)),
                         kept_ref=bool(torch.equal(kept_p, ref_kept)), err=rel(out_p, ref)))
+    return res
+
+
+def capacity_results(config) -> list[dict]:
+    """Plans for a larger capacity than the cache (transformers' growing cache: ``hf.plan_capacity``)
+    against float64: the sparse, dense and warmup steps read only keys below each row's length."""
+    from siftattention.hf import plan_capacity
+    from siftattention.kernels import DecodeKernels
+
+    res = []
+    for i in (0, 2):  # MHA float32, GQA 4 bfloat16; ragged starts and lengths
+        B, Hq, Hkv, S, D, dt = PLAN_CASES[i]
+        gen = torch.Generator().manual_seed(91 + i)
+        dtype = getattr(torch, dt)
+        q, k, v, sl, st = range_case(B, Hq, Hkv, S, D, dtype, gen)
+        # Keys past each row's length are NaN: reading one would show in every output.
+        k[:, :, S - 3:], v[:, :, S - 3:] = float("nan"), float("nan")
+        sl = sl.clamp(max=S - 3)
+        st = torch.minimum(st, sl - 1)
+        eta = range_eta(q, k, D**-0.5, sl, st, gen)
+        ref, ref_kept, ref_dense, ref_theta = ref_range(q, k, v, eta, D**-0.5, sl, st, False, 0.75)
+        kern = DecodeKernels.plan(batch=B, q_heads=Hq, kv_heads=Hkv, max_len=plan_capacity(S), head_dim=D, dtype=dtype,
+                                  device="cpu", scale=D**-0.5, backend="triton", config=config)
+        out, kept = kern.sparse(q, k, v, eta, sl, st)
+        dense = kern.dense(q, k, v, sl, st)
+        warm_out, theta = kern.warmup(q, k, v, 0.75, sl, st)
+        res.append(dict(case=i, dtype=dt, capacity=kern.max_len, kept_ref=bool(torch.equal(kept, ref_kept)),
+                        err=rel(out, ref), dense_err=rel(dense, ref_dense), warm_err=rel(warm_out, ref_dense),
+                        theta_err=float(((theta.double() - ref_theta).abs() / ref_theta.abs().clamp_min(1e-30)).max())))
     return res
 
 
@@ -1070,6 +1100,11 @@ def test_triton_plan_matches_float64(triton_results):
     for r in triton_results["persistent"]:
         assert r["persistent"] and r["out_equal"] and r["kept_equal"] and r["kept_ref"], r
         assert r["err"] < (1e-5 if r["dtype"] == "float32" else 1e-2), r
+    assert len(triton_results["capacity"]) == 2
+    for r in triton_results["capacity"]:
+        tol = 1e-5 if r["dtype"] == "float32" else 1e-2
+        assert r["capacity"] >= 128 and r["kept_ref"], r
+        assert max(r["err"], r["dense_err"], r["warm_err"]) < tol and r["theta_err"] < 1e-4, r
 
 
 # ----------------------------------------------------------------------------- CUDA (skipped without a GPU)
