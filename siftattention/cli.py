@@ -271,11 +271,11 @@ def ppl(model_name: str, dataset: str, data_file: str | None, seq_len: int, num_
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None, help="also write generations.json here")
 def generate(model_name: str, prompt: str, specs: tuple[str, ...], max_new_tokens: int, gen_path: str, device: str, dtype: str,
              out: Path | None) -> None:
-    from .cli_eval import _resolve_device
+    from .cli_eval import resolve_device
     from .report import check_out_dir
 
     _parse_methods(specs)
-    device = _resolve_device(device)
+    device = resolve_device(device)
     if out is not None:
         check_out_dir(out)
     model, tokenizer = _load(model_name, device, dtype)

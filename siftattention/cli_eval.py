@@ -38,7 +38,8 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     return (ValueError, FileNotFoundError, ImportError, ModelNotFoundError, UnsupportedModelError)
 
 
-def _resolve_device(device: str) -> str:
+def resolve_device(device: str) -> str:
+    """A --device option's value: auto (CUDA where there is one), cpu, cuda or cuda:N; one-line errors."""
     import torch
 
     if device == "auto":
@@ -66,7 +67,7 @@ def load_for_eval(model_name: str, device: str, dtype: str):
         raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     with console.status(f"loading {model_name} ..."):
         start = time.perf_counter()
-        model, tokenizer = load_model(model_name, dtype=getattr(torch, dtype), device=_resolve_device(device))
+        model, tokenizer = load_model(model_name, dtype=getattr(torch, dtype), device=resolve_device(device))
     console.print(f"model: {model_name} ({type(model).__name__}, {dtype}, {model.device}) loaded in {time.perf_counter() - start:.1f} s")
     return model, tokenizer
 
@@ -104,7 +105,7 @@ def run_eval(task_name: str, model_name: str, specs: Sequence[str], *, out: Path
                             limit=limit, chat=chat, min_new_tokens=min_new_tokens, path=path, score=score, decode=decode)
     check_settings(settings)
     if decode and loaded is None:
-        _resolve_device(device)
+        resolve_device(device)
     check_out_dir(out)
     data = task.load(data_path)
     check_run(out / task.name, run_key(task, data, settings))

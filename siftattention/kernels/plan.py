@@ -11,9 +11,10 @@ Preconditions of the run methods (not checked, so that they stay cheap):
 
 - ``q`` [B, Hq, D]; ``k_cache``, ``v_cache`` [B, Hkv, max_len, D], any strides (a
   transformers ``StaticCache`` buffer works), all of the planned dtype on the planned
-  device; a shorter cache [B, Hkv, L, D], L < max_len, with ``seq_lens`` given (no
-  key at or beyond L is read), so one plan serves a cache that grows; ``eta`` [B, Hq] float32 (or a ``PowerLawThreshold`` of contiguous float32
-  tensors), ``seq_lens`` [B] int32 and ``starts`` [B] int32 (or None), all contiguous.
+  device; or a shorter cache [B, Hkv, L, D], L < max_len, with ``seq_lens`` given (no
+  key at or beyond L is read), so one plan serves a cache that grows; ``eta`` [B, Hq]
+  float32 (or a ``PowerLawThreshold`` of contiguous float32 tensors), ``seq_lens`` [B]
+  int32 and ``starts`` [B] int32 (or None), all contiguous.
 - Valid keys of row b: positions ``[starts[b], seq_lens[b])`` with
   ``0 <= starts[b] < seq_lens[b] <= max_len``; keys outside never count (softmax,
   quantile, kept, argmax). An empty range gives NaN outputs.
