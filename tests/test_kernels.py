@@ -646,6 +646,21 @@ def test_cpu_kernel_unavailable_falls_back(monkeypatch):
         assert DecodeKernels.plan(**ok).backend == "torch"
 
 
+def test_cpu_kernel_builds_once_per_environment(monkeypatch):
+    """Each environment (torch installation, Python) builds into its own directory: torch's loader
+    records include paths, and would rebuild silently where two environments shared one."""
+    from siftattention.kernels import cpu_decode
+
+    name = cpu_decode.build_name()
+    assert name == cpu_decode.build_name() and name.startswith("siftattention_cpu_")
+    monkeypatch.setattr(torch, "__file__", "/elsewhere/site-packages/torch/__init__.py")
+    other_env = cpu_decode.build_name()
+    monkeypatch.undo()
+    monkeypatch.setattr(sys, "version", sys.version + " (another build)")
+    other_python = cpu_decode.build_name()
+    assert len({name, other_env, other_python}) == 3
+
+
 def test_plan_argument_checks():
     from siftattention.kernels import DecodeKernels
 

@@ -10,7 +10,8 @@ dense step of the CPU fast path.
 The extension is compiled with the machine's C++ compiler the first time it is needed
 (about 30 s, a one-line notice) into ``$SIFTATTENTION_CACHE`` (default
 ``~/.cache/siftattention``), under a name that hashes the source, the flags, the torch
-version and the CPU's instruction sets, and loaded from there afterwards. Where it cannot be built (no
+version and installation, the Python version and the CPU's instruction sets, and loaded
+from there afterwards. Where it cannot be built (no
 compiler), one warning says why and the torch backend runs instead.
 ``SIFTATTENTION_CPU_KERNEL=0`` switches it off. float32 only.
 """
@@ -58,6 +59,17 @@ def build_problem() -> str | None:
     return _problem
 
 
+def build_name() -> str:
+    """The extension's name and cache directory: a hash of what the compiled code depends on.
+
+    The build records the environment's include paths, so each environment (and Python) gets
+    its own; sharing one, torch's loader would rebuild silently whenever another used it.
+    """
+    environment = f"{torch.__version__} {Path(torch.__file__).parent} {sys.version}".encode()
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode() + environment + _cpu_signature()).hexdigest()[:12]
+    return f"siftattention_cpu_{key}"
+
+
 def load() -> ModuleType | None:
     """The compiled extension, building it on first use; None where it cannot be built."""
     global _module, _problem
@@ -69,9 +81,7 @@ def load() -> ModuleType | None:
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         _problem = "no C++ compiler found"
     else:
-        key = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode() + torch.__version__.encode()
-                             + _cpu_signature()).hexdigest()[:12]
-        name = f"siftattention_cpu_{key}"
+        name = build_name()
         build_dir = _cache_dir() / name
         try:
             build_dir.mkdir(parents=True, exist_ok=True)
