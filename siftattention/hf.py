@@ -177,6 +177,7 @@ class SiftHandle:
         self._range_ok: dict[int, bool] = {}  # valid keys of every row form one contiguous range
         self._causal_mask: tuple[weakref.ref, bool] | None = None  # the last prompt mask checked, and its verdict
         self._plans: dict[tuple, Any] = {}
+        self._keys: dict[int, tuple] = {}  # decode key ranges by mask: (weak reference, (keys, batch, version), KeyRange)
         self._previous = getattr(model, "config", None) and model.config._attn_implementation
         #: The process group sharding the heads under tensor parallelism (statistics gather over it), else None.
         self.tp_group = tensor_parallel_group(model)
@@ -331,6 +332,20 @@ class SiftHandle:
             self._causal_mask = (weakref.ref(attention_mask), is_causal_block(valid))
         return self._causal_mask[1]
 
+    def _step_keys(self, mask: torch.Tensor | None, k_len: int, batch: int, device: torch.device) -> KeyRange:
+        """The key range of a decode step's mask, formed once for all the layers that get that mask
+        (one per forward, or two where sliding-window layers have their own), with S and log S."""
+        shape = (k_len, batch, None if mask is None else mask._version)  # _version: a mask changed in place
+        entry = self._keys.get(id(mask))
+        if entry is not None and entry[0]() is mask and entry[1] == shape:
+            return entry[2]
+        keys = _key_range(mask, k_len, batch, device)
+        steps = keys.steps()
+        keys = KeyRange(keys.seq_lens, keys.starts, steps, steps.float().log())
+        self._keys = {i: e for i, e in self._keys.items() if e[0]() is not None}  # masks of earlier steps are gone
+        self._keys[id(mask)] = ((lambda: None) if mask is None else weakref.ref(mask), shape, keys)
+        return keys
+
     def _decode(self, layer, module, state, query, key, value, attention_mask, scaling, kwargs) -> tuple[torch.Tensor, None] | None:
         """One decode step through the method's ``decode_step``; None where only ``select`` can serve it."""
         step = self.context.step if self.context is not None else self._decoded[layer]
@@ -342,7 +357,7 @@ class SiftHandle:
         else:
             if not self._range_ok.get(layer, False) or (attention_mask is not None and attention_mask.dtype != torch.bool):
                 return None
-            keys = _key_range(attention_mask, key.shape[2], query.shape[0], query.device)
+            keys = self._step_keys(attention_mask, key.shape[2], query.shape[0], query.device)
         kernels = self._plan(query, key, scaling)
         res = self.method.decode_step(query[:, :, 0], key, value, keys, state, phase, kernels)
         if self.context is None and self.method.decode_phase(step + 1) != phase:  # the fast loop ends phases for all layers

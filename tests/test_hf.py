@@ -338,3 +338,33 @@ def test_generate_plans_decode_kernels_once_per_capacity():
         decoded = handle.stats.step_count()
     assert out.shape[1] == 140 and decoded > 0
     assert capacities == [128, 256]  # keys 100 to 139: two capacities, not 39 lengths
+
+
+def test_decode_key_range_is_formed_once_per_step_and_mask(monkeypatch):
+    import siftattention.hf as hf
+
+    calls = []
+    real = hf._key_range
+    monkeypatch.setattr(hf, "_key_range", lambda *a: calls.append(a[1]) or real(*a))
+    model = tiny_llama(seed=10)
+    ids = torch.randint(3, 97, (2, 30))
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0  # left padding: row 1 starts at key 7
+    with apply(model, Sift(tau=0.5, warmup=4)) as handle, torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, min_new_tokens=12)
+        stats = handle.stats.step_count()
+    assert out.shape[1] == 42 and stats > 0
+    assert calls == list(range(31, 42))  # one range per decode step (11 of them), not one per layer
+
+    # A mask changed in place is read again; the same mask object unchanged is not.
+    handle = apply(model, Sift(tau=0.5, warmup=4))
+    try:
+        valid = torch.ones(2, 1, 1, 20, dtype=torch.bool)
+        first = handle._step_keys(valid, 20, 2, torch.device("cpu"))
+        assert handle._step_keys(valid, 20, 2, torch.device("cpu")) is first
+        valid[1, ..., :5] = False
+        again = handle._step_keys(valid, 20, 2, torch.device("cpu"))
+        assert again is not first and again.starts.tolist() == [0, 5] and again.steps().tolist() == [20, 15]
+        assert torch.allclose(again.log_steps(), torch.tensor([20.0, 15.0]).log())
+    finally:
+        handle.remove()
