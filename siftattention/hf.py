@@ -177,7 +177,8 @@ class SiftHandle:
         self._range_ok: dict[int, bool] = {}  # valid keys of every row form one contiguous range
         self._causal_mask: tuple[weakref.ref, bool] | None = None  # the last prompt mask checked, and its verdict
         self._plans: dict[tuple, Any] = {}
-        self._keys: dict[int, tuple] = {}  # decode key ranges by mask: (weak reference, (keys, batch, version), KeyRange)
+        self._keys: dict[int, tuple] = {}  # this forward's decode key ranges by mask: (mask, (keys, batch, device), KeyRange)
+        self._keys_layer = -1  # the layer that formed or read them last
         self._previous = getattr(model, "config", None) and model.config._attn_implementation
         #: The process group sharding the heads under tensor parallelism (statistics gather over it), else None.
         self.tp_group = tensor_parallel_group(model)
@@ -332,18 +333,23 @@ class SiftHandle:
             self._causal_mask = (weakref.ref(attention_mask), is_causal_block(valid))
         return self._causal_mask[1]
 
-    def _step_keys(self, mask: torch.Tensor | None, k_len: int, batch: int, device: torch.device) -> KeyRange:
-        """The key range of a decode step's mask, formed once for all the layers that get that mask
-        (one per forward, or two where sliding-window layers have their own), with S and log S."""
-        shape = (k_len, batch, None if mask is None else mask._version)  # _version: a mask changed in place
+    def _step_keys(self, layer: int, mask: torch.Tensor | None, k_len: int, batch: int, device: torch.device) -> KeyRange:
+        """The key range of a decode step's mask, with S and log S, formed once for all the layers of
+        one forward that get that mask (one, or two where sliding-window layers have their own).
+
+        Kept for one forward only (a layer at or below the last one starts the next), so a mask
+        a caller reuses and changes in place between forwards is always read again.
+        """
+        if layer <= self._keys_layer:
+            self._keys = {}
+        self._keys_layer = layer
         entry = self._keys.get(id(mask))
-        if entry is not None and entry[0]() is mask and entry[1] == shape:
+        if entry is not None and entry[0] is mask and entry[1] == (k_len, batch, device):
             return entry[2]
         keys = _key_range(mask, k_len, batch, device)
         steps = keys.steps()
         keys = KeyRange(keys.seq_lens, keys.starts, steps, steps.float().log())
-        self._keys = {i: e for i, e in self._keys.items() if e[0]() is not None}  # masks of earlier steps are gone
-        self._keys[id(mask)] = ((lambda: None) if mask is None else weakref.ref(mask), shape, keys)
+        self._keys[id(mask)] = (mask, (k_len, batch, device), keys)
         return keys
 
     def _decode(self, layer, module, state, query, key, value, attention_mask, scaling, kwargs) -> tuple[torch.Tensor, None] | None:
@@ -357,7 +363,7 @@ class SiftHandle:
         else:
             if not self._range_ok.get(layer, False) or (attention_mask is not None and attention_mask.dtype != torch.bool):
                 return None
-            keys = self._step_keys(attention_mask, key.shape[2], query.shape[0], query.device)
+            keys = self._step_keys(layer, attention_mask, key.shape[2], query.shape[0], query.device)
         kernels = self._plan(query, key, scaling)
         res = self.method.decode_step(query[:, :, 0], key, value, keys, state, phase, kernels)
         if self.context is None and self.method.decode_phase(step + 1) != phase:  # the fast loop ends phases for all layers

@@ -356,14 +356,17 @@ def test_decode_key_range_is_formed_once_per_step_and_mask(monkeypatch):
     assert out.shape[1] == 42 and stats > 0
     assert calls == list(range(31, 42))  # one range per decode step (11 of them), not one per layer
 
-    # A mask changed in place is read again; the same mask object unchanged is not.
+    # The layers of one forward share the range; the next forward reads its mask again, so a mask a
+    # caller changes in place between forwards (inference tensors have no version counter) is seen.
     handle = apply(model, Sift(tau=0.5, warmup=4))
     try:
-        valid = torch.ones(2, 1, 1, 20, dtype=torch.bool)
-        first = handle._step_keys(valid, 20, 2, torch.device("cpu"))
-        assert handle._step_keys(valid, 20, 2, torch.device("cpu")) is first
-        valid[1, ..., :5] = False
-        again = handle._step_keys(valid, 20, 2, torch.device("cpu"))
+        cpu = torch.device("cpu")
+        with torch.inference_mode():
+            valid = torch.ones(2, 1, 1, 20, dtype=torch.bool)
+            first = handle._step_keys(0, valid, 20, 2, cpu)
+            assert handle._step_keys(1, valid, 20, 2, cpu) is first
+            valid[1, ..., :5] = False
+            again = handle._step_keys(0, valid, 20, 2, cpu)
         assert again is not first and again.starts.tolist() == [0, 5] and again.steps().tolist() == [20, 15]
         assert torch.allclose(again.log_steps(), torch.tensor([20.0, 15.0]).log())
     finally:
