@@ -177,15 +177,12 @@ def generate_text(model, tokenizer, prompt: str, spec: str, max_new_tokens: int,
 
     ``path``: "fast" or "auto" decode through ``siftattention.generate`` (which itself falls
     back to transformers' ``generate`` for a method it cannot serve, saying why in
-    ``fallback_reason``); "reference" through transformers' ``generate`` under ``apply``.
-    Both give the same tokens.
+    ``fallback_reason``); "reference" through ``reference_generate`` (transformers'
+    ``generate`` under ``apply``). Both give the same tokens.
     """
     import warnings
 
-    import torch
-
-    from .generation import generate
-    from .hf import apply
+    from .generation import generate, reference_generate
 
     if path not in GENERATE_PATHS:
         raise ValueError(f"path must be one of {', '.join(GENERATE_PATHS)}, got {path!r}")
@@ -196,33 +193,20 @@ def generate_text(model, tokenizer, prompt: str, spec: str, max_new_tokens: int,
     ids = ids.to(model.device)  # a tensor-parallel rank's model is on that rank's device
     method = parse_method(spec)
     prepare_methods(model, [(spec, method)])
-    prompt_len = ids["input_ids"].shape[1]
-    steady = reason = None
-    if path == "reference":
-        sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
-        with apply(model, method) as handle, torch.no_grad():
-            start = time.perf_counter()
-            out = model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id)
-            sync()
-            seconds = time.perf_counter() - start
-            stats = handle.stats
-        new_ids, fast = out[0, prompt_len:], False
-    else:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the fallback's one-line notice: reported as the path's reason
-            res = generate(model, ids["input_ids"], ids["attention_mask"], method, max_new_tokens=max_new_tokens,
-                           pad_token_id=tokenizer.eos_token_id)
-        stats, fast, reason = res.stats, res.fast, res.fallback_reason
-        new_ids = res.new_tokens[0, : int(res.num_generated[0])]
-        seconds = res.timings.get("total_s", res.timings.get("prefill_s", 0.0) + res.timings.get("decode_s", 0.0))
-        phases = [p for name, p in res.timings.get("phases", {}).items() if not name.startswith("after_")]
-        if phases:
-            steady = 1e3 / phases[-1]["steady_ms"]
-    none_after_warmup = method.warmup > 0 and stats.step_count(post_warmup=True) == 0
+    run = reference_generate if path == "reference" else generate
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the fast path's fallback notice: reported as the path's reason
+        res = run(model, ids["input_ids"], ids["attention_mask"], method, max_new_tokens=max_new_tokens,
+                  pad_token_id=tokenizer.eos_token_id)
+    new_ids = res.new_tokens[0, : int(res.num_generated[0])]
+    seconds = res.timings.get("total_s", res.timings.get("prefill_s", 0.0) + res.timings.get("decode_s", 0.0))
+    phases = [p for name, p in res.timings.get("phases", {}).items() if not name.startswith("after_")]
+    none_after_warmup = method.warmup > 0 and res.stats.step_count(post_warmup=True) == 0
     return Generation(
-        spec=spec, text=complete_text(tokenizer, new_ids), new_tokens=int(new_ids.shape[0]), sparsity=stats.realized_sparsity(),
-        sparsity_post_warmup=None if none_after_warmup else stats.realized_sparsity(post_warmup=True),
-        path="fast" if fast else "transformers", seconds=seconds, steady_tokens_per_s=steady, fallback_reason=reason)
+        spec=spec, text=complete_text(tokenizer, new_ids), new_tokens=int(new_ids.shape[0]), sparsity=res.stats.realized_sparsity(),
+        sparsity_post_warmup=None if none_after_warmup else res.stats.realized_sparsity(post_warmup=True),
+        path="fast" if res.fast else "transformers", seconds=seconds,
+        steady_tokens_per_s=1e3 / phases[-1]["steady_ms"] if phases else None, fallback_reason=res.fallback_reason)
 
 
 #: The commands that shard the model's heads over the ranks of a ``torchrun`` launch (rank 0 prints and writes).

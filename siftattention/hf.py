@@ -177,7 +177,7 @@ class SiftHandle:
         self._range_ok: dict[int, bool] = {}  # valid keys of every row form one contiguous range
         self._causal_mask: tuple[weakref.ref, bool] | None = None  # the last prompt mask checked, and its verdict
         self._plans: dict[tuple, Any] = {}
-        self._keys: dict[int, tuple] = {}  # this forward's decode key ranges by mask: (mask, (keys, batch, device), KeyRange)
+        self._keys: dict[tuple, tuple] = {}  # this forward's decode key ranges: (mask id, keys, batch, device) -> (mask, KeyRange)
         self._keys_layer = -1  # the layer that formed or read them last
         self._previous = getattr(model, "config", None) and model.config._attn_implementation
         #: The process group sharding the heads under tensor parallelism (statistics gather over it), else None.
@@ -343,14 +343,12 @@ class SiftHandle:
         if layer <= self._keys_layer:
             self._keys = {}
         self._keys_layer = layer
-        entry = self._keys.get(id(mask))
-        if entry is not None and entry[0] is mask and entry[1] == (k_len, batch, device):
-            return entry[2]
-        keys = _key_range(mask, k_len, batch, device)
-        steps = keys.steps()
-        keys = KeyRange(keys.seq_lens, keys.starts, steps, steps.float().log())
-        self._keys[id(mask)] = (mask, (k_len, batch, device), keys)
-        return keys
+        sig = (id(mask), k_len, batch, device)  # the entry holds the mask, so its id stays its own
+        if sig not in self._keys:
+            keys = _key_range(mask, k_len, batch, device)
+            steps = keys.steps()
+            self._keys[sig] = (mask, KeyRange(keys.seq_lens, keys.starts, steps, steps.float().log()))
+        return self._keys[sig][1]
 
     def _decode(self, layer, module, state, query, key, value, attention_mask, scaling, kwargs) -> tuple[torch.Tensor, None] | None:
         """One decode step through the method's ``decode_step``; None where only ``select`` can serve it."""

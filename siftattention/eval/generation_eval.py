@@ -120,53 +120,25 @@ def sequence_sparsity(stats, method: Method, num_generated: torch.Tensor, post_w
     return [float(v) if t > 0 else float("nan") for v, t in zip(value, total)]
 
 
-def _reference_generate(model, input_ids, mask, method, max_new_tokens, eos_ids, pad_id):
-    """transformers' ``generate`` with the method applied (the reference decode path)."""
-    from types import SimpleNamespace
-
-    from ..hf import apply
-
-    with apply(model, method) as handle, torch.inference_mode():
-        out = model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
-                             eos_token_id=eos_ids, pad_token_id=pad_id, min_new_tokens=0)
-    new = out[:, input_ids.shape[1] :]
-    hit = torch.isin(new, torch.tensor(eos_ids, device=new.device))
-    full = torch.full((new.shape[0],), new.shape[1], dtype=torch.long, device=new.device)
-    num = torch.where(hit.any(1), hit.int().argmax(1) + 1, full)
-    return SimpleNamespace(new_tokens=new, num_generated=num, stats=handle.stats, fast=False)
-
-
-def _fast_generate():
-    try:
-        from ..generation import generate
-    except ImportError:
-        return None
-    return generate
-
-
 def generate_batch(model, input_ids: torch.Tensor, mask: torch.Tensor, method: Method, max_new_tokens: int, eos_ids: list[int],
                    pad_id: int, path: str = "auto") -> BatchOutput:
     """Greedy generation of one left-padded batch with ``method``.
 
-    ``path``: "fast" is ``siftattention.generation.generate`` (fixed cache, CUDA graphs on
-    CUDA; it falls back to transformers' generate itself where it cannot serve a method),
-    "reference" is transformers' ``generate`` under ``apply``; "auto" takes the fast path
-    when the package has it. Both give the same tokens.
+    ``path``: "fast" and "auto" are ``siftattention.generation.generate`` (fixed cache, CUDA
+    graphs on CUDA; it falls back to transformers' generate itself where it cannot serve a
+    method), "reference" is ``reference_generate`` (transformers' ``generate`` under
+    ``apply``). Both give the same tokens.
     """
+    import warnings
+
+    from ..generation import generate, reference_generate
+
     if path not in ("auto", "fast", "reference"):
         raise ValueError(f"path must be auto, fast or reference, got {path!r}")
-    fast = _fast_generate() if path != "reference" else None
-    if path == "fast" and fast is None:
-        raise ValueError("the fast decode path (siftattention.generation) is not available in this installation")
-    if fast is not None:
-        import warnings
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the one-line fallback notice; `fast` is recorded per sample
-            res = fast(model, input_ids, attention_mask=mask, method=method, max_new_tokens=max_new_tokens,
-                       eos_token_id=eos_ids, pad_token_id=pad_id, do_sample=False)
-    else:
-        res = _reference_generate(model, input_ids, mask, method, max_new_tokens, eos_ids, pad_id)
+    run = reference_generate if path == "reference" else generate
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the fast path's one-line fallback notice; `fast` is recorded per sample
+        res = run(model, input_ids, mask, method, max_new_tokens=max_new_tokens, eos_token_id=eos_ids, pad_token_id=pad_id)
     num = res.num_generated.cpu()
     new = res.new_tokens.cpu()
     tokens = [new[b, : int(num[b])].tolist() for b in range(new.shape[0])]

@@ -5,6 +5,6 @@ as a CUDA graph per method phase on CUDA (see ``loop.py`` and docs/design.md).
 """
 
 from .cache import FixedCache
-from .loop import GenerationResult, fast_path_problem, generate
+from .loop import GenerationResult, fast_path_problem, generate, reference_generate
 
-__all__ = ["FixedCache", "GenerationResult", "fast_path_problem", "generate"]
+__all__ = ["FixedCache", "GenerationResult", "fast_path_problem", "generate", "reference_generate"]

@@ -350,22 +350,16 @@ def generate(
     >>> res = generate(model, ids, mask, Sift(tau=0.875, warmup=16), max_new_tokens=128)
     >>> res.sequences, res.stats.realized_sparsity(post_warmup=True)
     """
-    method = Full() if method is None else method
-    if not isinstance(method, Method):
-        raise TypeError(f"method must be a siftattention method (Full, TopK, H2O, Sift, Oracle, ...), got {type(method).__name__}")
+    method = _check_method(method)
     mask = _check_inputs(input_ids, attention_mask, max_new_tokens)
-    # The model's generation config first, as transformers' generate reads it.
-    configs = [c for c in (getattr(model, "generation_config", None), getattr(model, "config", None)) if c is not None]
-    if eos_token_id is None:
-        eos_token_id = next((c.eos_token_id for c in configs if getattr(c, "eos_token_id", None) is not None), None)
-    if pad_token_id is None:
-        pad_token_id = next((c.pad_token_id for c in configs if getattr(c, "pad_token_id", None) is not None), None)
-        pad_token_id = (eos_token_id if isinstance(eos_token_id, int) else 0) if pad_token_id is None else pad_token_id
+    eos_token_id, pad_token_id = _special_tokens(model, eos_token_id, pad_token_id)
     sampler = _Sampler(do_sample, temperature, top_k)
     problem = fast_path_problem(model, method)
     if problem is not None:
         warnings.warn(f"siftattention.generate: using transformers' generate ({problem})", stacklevel=2)
-        return _reference_generate(model, input_ids, mask, method, max_new_tokens, do_sample, temperature, top_k, eos_token_id, pad_token_id, decode_backend, problem)
+        return reference_generate(model, input_ids, mask, method, max_new_tokens=max_new_tokens, do_sample=do_sample,
+                                  temperature=temperature, top_k=top_k, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                                  decode_backend=decode_backend, fallback_reason=problem)
     use_graphs = input_ids.is_cuda if cuda_graphs is None else bool(cuda_graphs)
     if use_graphs and not input_ids.is_cuda:
         raise ValueError("cuda_graphs=True needs the inputs on a CUDA device")
@@ -405,20 +399,57 @@ def generate(
     )
 
 
-def _reference_generate(model, input_ids, mask, method, max_new_tokens, do_sample, temperature, top_k, eos_token_id, pad_token_id, backend, reason) -> GenerationResult:
-    """transformers' ``generate`` with the method applied: the fallback of ``generate``."""
-    with apply(model, method, decode_backend=backend) as handle, torch.inference_mode():
+def _check_method(method: Method | None) -> Method:
+    method = Full() if method is None else method
+    if not isinstance(method, Method):
+        raise TypeError(f"method must be a siftattention method (Full, TopK, H2O, Sift, Oracle, ...), got {type(method).__name__}")
+    return method
+
+
+def _special_tokens(model: torch.nn.Module, eos_token_id: Any, pad_token_id: int | None) -> tuple[Any, int]:
+    """EOS and padding ids: the ones given, else the model's generation config first, as transformers' generate reads it."""
+    configs = [c for c in (getattr(model, "generation_config", None), getattr(model, "config", None)) if c is not None]
+    if eos_token_id is None:
+        eos_token_id = next((c.eos_token_id for c in configs if getattr(c, "eos_token_id", None) is not None), None)
+    if pad_token_id is None:
+        pad_token_id = next((c.pad_token_id for c in configs if getattr(c, "pad_token_id", None) is not None), None)
+        pad_token_id = (eos_token_id if isinstance(eos_token_id, int) else 0) if pad_token_id is None else pad_token_id
+    return eos_token_id, pad_token_id
+
+
+def reference_generate(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    method: Method | None = None,
+    *,
+    max_new_tokens: int = 64,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    eos_token_id: int | list[int] | None = None,
+    pad_token_id: int | None = None,
+    decode_backend: str = "auto",
+    fallback_reason: str | None = None,
+) -> GenerationResult:
+    """transformers' ``generate`` with ``method`` applied, as ``generate``'s result (``fast=False``,
+    ``timings["total_s"]``): the reference path, and ``generate``'s fallback (``fallback_reason``)."""
+    method = _check_method(method)
+    mask = _check_inputs(input_ids, attention_mask, max_new_tokens)
+    eos_token_id, pad_token_id = _special_tokens(model, eos_token_id, pad_token_id)
+    kwargs = dict(do_sample=do_sample, pad_token_id=pad_token_id, eos_token_id=eos_token_id, max_new_tokens=max_new_tokens, min_new_tokens=0)
+    if do_sample:
+        kwargs.update(temperature=temperature, top_k=top_k or 0, top_p=1.0)
+    sync = torch.cuda.synchronize if input_ids.is_cuda else (lambda: None)
+    with apply(model, method, decode_backend=decode_backend) as handle, torch.inference_mode():
         start = time.perf_counter()
-        kwargs = dict(do_sample=do_sample, pad_token_id=pad_token_id, eos_token_id=eos_token_id, max_new_tokens=max_new_tokens, min_new_tokens=0)
-        if do_sample:
-            kwargs.update(temperature=temperature, top_k=top_k or 0, top_p=1.0)
         out = model.generate(input_ids=input_ids, attention_mask=mask, **kwargs)
+        sync()
         elapsed = time.perf_counter() - start
     new = out[:, input_ids.shape[1] :]
     eos = _eos_tensor(eos_token_id, new.device)
     num = torch.full((new.shape[0],), new.shape[1], dtype=torch.long, device=new.device)
     if eos is not None and new.numel():
         hit = torch.isin(new, eos)
-        first = torch.where(hit.any(1), hit.int().argmax(1) + 1, num)
-        num = first
-    return GenerationResult(out, new, num, handle.stats, fast=False, fallback_reason=reason, timings={"total_s": elapsed})
+        num = torch.where(hit.any(1), hit.int().argmax(1) + 1, num)
+    return GenerationResult(out, new, num, handle.stats, fast=False, fallback_reason=fallback_reason, timings={"total_s": elapsed})
