@@ -362,7 +362,9 @@ class SiftHandle:
             if not self._range_ok.get(layer, False) or (attention_mask is not None and attention_mask.dtype != torch.bool):
                 return None
             keys = self._step_keys(layer, attention_mask, key.shape[2], query.shape[0], query.device)
-        kernels = self._plan(query, key, scaling)
+        kernels, planned = self._plan(query, key, scaling)
+        if planned and kernels.compiles_ahead and self.method.phases_to_compile(step):
+            self._compile_ahead(kernels, layer, step, query, key, value, keys)
         res = self.method.decode_step(query[:, :, 0], key, value, keys, state, phase, kernels)
         if self.context is None and self.method.decode_phase(step + 1) != phase:  # the fast loop ends phases for all layers
             self.method.end_decode_phase(phase, [state])
@@ -379,8 +381,19 @@ class SiftHandle:
         """The method's work after the last step of ``phase`` in every layer (the fast loop calls it)."""
         self.method.end_decode_phase(phase, [self.states[layer] for layer in sorted(self.states)])
 
-    def _plan(self, query: torch.Tensor, key: torch.Tensor, scaling: float) -> Any:
-        """The kernels for this shape, planned once (scratch buffers and launch plan) and reused."""
+    def _compile_ahead(self, kernels: Any, layer: int, step: int, query: torch.Tensor, key: torch.Tensor,
+                       value: torch.Tensor, keys: KeyRange) -> None:
+        """Compile the kernels of every phase the method names for a plan new at ``step``, side by
+        side, on a scratch state: otherwise the first step of each phase compiles its kernels one by one."""
+        B, Hq = query.shape[:2]
+        scratch = self.method.new_state(B, Hq, query.device, layer=layer)
+        with kernels.compiling():
+            for phase in self.method.phases_to_compile(step):
+                self.method.decode_step(query[:, :, 0], key, value, keys, scratch, phase, kernels)
+
+    def _plan(self, query: torch.Tensor, key: torch.Tensor, scaling: float) -> tuple[Any, bool]:
+        """The kernels for this shape, planned once (scratch buffers and launch plan) and reused;
+        and whether they were planned by this call."""
         from .kernels import DecodeKernels
 
         B, Hq, _, D = query.shape
@@ -395,7 +408,8 @@ class SiftHandle:
                 device=query.device, scale=float(scaling), renormalize=self.method.renormalize, backend=self.decode_backend,
             )
             self._plans[sig] = plan
-        return plan
+            return plan, True
+        return plan, False
 
 
 def _model_attention(model: PreTrainedModel) -> Any:

@@ -5,8 +5,10 @@ interpreter accepts code that Triton's GPU code generator rejects (a variable re
 another shape in a constexpr branch, for one), so the CPU tests alone cannot vouch for the
 kernels the GPU runs. Here Triton's driver is replaced by one that reports an sm_90 target
 and launches nothing: each planned step of ``DecodeKernels`` runs on CPU tensors with the
-H200's launch plan, and every kernel it would launch is compiled through ptxas instead.
-The last stdout line is JSON: the variants compiled and the failures.
+H200's launch plan, and every kernel it would launch is compiled through ptxas instead. Each
+case's steps then run again inside ``DecodeKernels.compiling`` (compile ahead, no launch), which
+must ask for the same variants. The last stdout line is JSON: the variants compiled, the
+failures and the compile-ahead gaps.
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ def install(compiled: dict) -> None:
     def compile_only(self, key, signature, device, constexprs, options, attrs, warmup):
         name = self.fn.__name__
         entry = (name, str(key))
+        _CALLS.append((name, entry[1], bool(warmup)))
         if entry not in compiled:
             t0 = time.perf_counter()
             kernel = self.compile(self.ASTSource(self, signature, constexprs, attrs), target=only.target,
@@ -80,14 +83,35 @@ def install(compiled: dict) -> None:
     JITFunction._do_compile = compile_only
 
 
-def run_case(case: tuple) -> None:
+def run_case(case: tuple) -> dict:
+    """Launch (here: compile) every step of the case's plan; then check that compiling the same
+    steps ahead (``DecodeKernels.compiling``) asks for exactly the variants the launches do.
+    Returns the variants launched but not compiled ahead, those compiled ahead but never
+    launched, and the launches made while compiling ahead (each list should be empty)."""
     from siftattention.kernels import triton_decode as td
-    from siftattention.kernels.plan import DecodeKernels, PowerLawThreshold
+    from siftattention.kernels.plan import DecodeKernels
 
     B, Hq, Hkv, S, D, dtype, renorm, with_starts, eta_tensor, changes = case
     cpu = torch.device("cpu")
     cfg = replace(td._DEFAULT, **changes)
     kern = DecodeKernels("triton", B, Hq, Hkv, S, D, dtype, cpu, D**-0.5, renorm, cfg)
+    _CALLS.clear()
+    run_steps(kern, case)
+    launched = {(name, key) for name, key, ahead in _CALLS if not ahead}
+    _CALLS.clear()
+    with kern.compiling():
+        run_steps(kern, case)
+    ahead = {(name, key) for name, key, ahead in _CALLS if ahead}
+    return dict(not_ahead=sorted(launched - ahead), never_launched=sorted(ahead - launched),
+                launched_while_compiling=[c for c in _CALLS if not c[2]])
+
+
+def run_steps(kern, case: tuple) -> None:
+    """Every run method of the plan once, on empty tensors of the case's shapes."""
+    from siftattention.kernels.plan import PowerLawThreshold
+
+    B, Hq, Hkv, S, D, dtype, renorm, with_starts, eta_tensor, changes = case
+    cfg = kern.config
     q = torch.empty(B, Hq, D, dtype=dtype)
     k, v = torch.empty(B, Hkv, S, D, dtype=dtype), torch.empty(B, Hkv, S, D, dtype=dtype)
     seq_lens = torch.full((B,), S, dtype=torch.int32)
@@ -114,6 +138,7 @@ def kernel_names() -> list[str]:
 
 
 _COMPILED: dict = {}  # one worker's variants, by (kernel, cache key)
+_CALLS: list = []  # (kernel, cache key, compiled ahead) of every compile the worker was asked for
 
 
 def _worker_init() -> None:
@@ -124,14 +149,15 @@ def _worker_init() -> None:
     td._device_info = lambda device: (132, True, "NVIDIA H200")
 
 
-def compile_case(case: tuple) -> tuple[list[dict], list[dict]]:
-    """(variants compiled, failures) of one case, in a worker process set up by ``_worker_init``."""
+def compile_case(case: tuple) -> tuple[list[dict], list[dict], dict]:
+    """(variants compiled, failures, compile-ahead gaps) of one case, in a worker process set up
+    by ``_worker_init``."""
     _COMPILED.clear()
     try:
-        run_case(case)
-        return list(_COMPILED.values()), []
+        gaps = run_case(case)
+        return list(_COMPILED.values()), [], {repr(case): gaps} if any(gaps.values()) else {}
     except Exception:
-        return list(_COMPILED.values()), [dict(case=repr(case), error=traceback.format_exc(limit=3)[-2000:])]
+        return list(_COMPILED.values()), [dict(case=repr(case), error=traceback.format_exc(limit=3)[-2000:])], {}
 
 
 def main() -> None:
@@ -142,11 +168,13 @@ def main() -> None:
     # Compiling is single-threaded: one worker per core (two in CI) halves the wall time.
     workers = max(1, min(len(CASES), os.cpu_count() or 1))
     with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_worker_init) as pool:
-        for done, failed in pool.map(compile_case, CASES):
+        gaps = {}
+        for done, failed, gap in pool.map(compile_case, CASES):
             compiled.update({(c["kernel"], c.pop("key")): c for c in done})  # cases share some variants
             failures += failed
+            gaps.update(gap)
     print(json.dumps(dict(compiled=list(compiled.values()), kernels=kernel_names(), failures=failures,
-                          max_shared=SM90_MAX_SHARED)))
+                          max_shared=SM90_MAX_SHARED, compile_ahead_gaps=gaps)))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """The fast decode loop (siftattention.generation) against transformers and the row-wise reference."""
 
+import os
 import warnings
 
 import pytest
@@ -258,3 +259,45 @@ def test_fast_path_serves_sliding_windows_and_other_families(factory):
     res = generate(model, ids, mask, method, max_new_tokens=12, eos_token_id=-1)
     assert res.fast and torch.equal(res.sequences, ref_seq)
     assert res.stats.realized_sparsity(post_warmup=True) == pytest.approx(ref_stats.realized_sparsity(post_warmup=True), abs=1e-12)
+
+
+_COMPILE_AHEAD_SCRIPT = '''
+import json, torch
+from triton.runtime.jit import JITFunction
+from conftest import tiny_llama
+from siftattention import Sift, apply
+from siftattention.generation import generate
+
+calls = []
+real = JITFunction._do_compile
+def spy(self, key, signature, device, constexprs, options, attrs, warmup):
+    calls.append([self.__name__, bool(warmup)])
+    return real(self, key, signature, device, constexprs, options, attrs, warmup)
+JITFunction._do_compile = spy
+model = tiny_llama(seed=4).cuda()
+ids = torch.randint(3, 96, (2, 150), device="cuda")
+mask = torch.ones_like(ids)
+res = generate(model, ids, mask, Sift(tau=0.5, warmup=4), max_new_tokens=10)
+with apply(model, Sift(tau=0.5, warmup=4)), torch.no_grad():
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, min_new_tokens=10)
+print(json.dumps(dict(calls=calls, fast=res.sequences.tolist(), reference=out.tolist())))
+'''
+
+
+def test_cuda_new_plans_compile_their_kernels_ahead(tmp_path, monkeypatch):
+    # On a GPU every kernel of Sift's warmup and sparse steps is compiled ahead, side by side,
+    # when the decode plan is made (fast loop, and each capacity of transformers' generate):
+    # a fresh Triton cache, and no kernel compiles at its launch.
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from conftest import run_json_script
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    monkeypatch.setenv("PYTHONPATH", os.path.dirname(os.path.abspath(__file__)) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    script = tmp_path / "compile_ahead.py"
+    script.write_text(_COMPILE_AHEAD_SCRIPT)
+    res = run_json_script(str(script), interpret=False)
+    kernels = {name for name, _ in res["calls"]}
+    assert {"_dense_kernel", "_quantile_kernel", "_scores_kernel", "_filter_kernel"} <= kernels
+    assert [c for c in res["calls"] if not c[1]] == []  # nothing compiled at a launch
+    assert res["fast"] == res["reference"]

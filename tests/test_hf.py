@@ -340,6 +340,40 @@ def test_generate_plans_decode_kernels_once_per_capacity():
     assert capacities == [128, 256]  # keys 100 to 139: two capacities, not 39 lengths
 
 
+def test_new_plans_compile_their_phases_ahead_on_a_scratch_state(monkeypatch):
+    # A new decode plan compiles the kernels of each phase the method names, at once, on a
+    # scratch state: the generation, its statistics and the method's state are those of a run
+    # that compiles nothing ahead. (The CPU backends compile nothing, so the dry run is forced
+    # here and runs the torch kernels; tests/sm90_compile.py checks what Triton is asked for.)
+    from siftattention.kernels import DecodeKernels
+
+    model = tiny_llama(seed=9)
+    ids = torch.randint(3, 97, (2, 100))
+    real, real_compiling = Sift.decode_step, DecodeKernels.compiling
+
+    def run(ahead: bool):
+        monkeypatch.setattr(DecodeKernels, "compiles_ahead", property(lambda self: ahead))
+        phases = []
+        monkeypatch.setattr(Sift, "decode_step", lambda self, *a: (phases.append(a[5]), real(self, *a))[1])
+        compiling = []
+        monkeypatch.setattr(DecodeKernels, "compiling", lambda self: compiling.append(self) or real_compiling(self))
+        with apply(model, Sift(tau=0.5, warmup=4), decode_backend="torch") as handle, torch.no_grad():
+            out = model.generate(ids, max_new_tokens=40, do_sample=False, min_new_tokens=40)
+            stats = (handle.stats.realized_sparsity(per_sequence=True), handle.stats.beta, handle.stats.thetas)
+            plans = list(handle._plans.values())
+        return out, stats, phases, compiling, plans
+
+    out, stats, phases, compiling, plans = run(True)
+    out0, stats0, phases0, compiling0, _ = run(False)
+    assert torch.equal(out, out0) and all(torch.equal(a, b) for a, b in zip(stats, stats0))
+    assert compiling0 == [] and len(plans) == 2 and compiling == plans  # one dry run per plan (capacity)
+    layers = len(model.model.layers)
+    extra = len(phases) - len(phases0)
+    # The first plan (step 0) compiles the warmup and sparse phases; the second (keys past 128, after
+    # the 4-step warmup) only the sparse one.
+    assert extra == 3 and phases0.count("warmup") == 4 * layers
+
+
 def test_decode_key_range_is_formed_once_per_step_and_mask(monkeypatch):
     import siftattention.hf as hf
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from typing import Any, NamedTuple
+from typing import Any, Iterator, NamedTuple
 
 import torch
 
@@ -267,6 +267,31 @@ class DecodeKernels:
         if self.backend == "cpu":
             return self._cpu.warmup_decode_cpu(q, k_cache, v_cache, tau_t, self.scale, seq_lens, starts)
         return sift_warmup_decode_torch(q, k_cache, v_cache, tau_t, self.scale, seq_lens, starts)
+
+    @property
+    def compiles_ahead(self) -> bool:
+        """Whether ``compiling()`` does anything: Triton on a GPU (not its interpreter), unless
+        ``SIFTATTENTION_PRECOMPILE=0``."""
+        return (self.backend == "triton" and not interpreting()
+                and os.environ.get("SIFTATTENTION_PRECOMPILE", "1").strip() != "0")
+
+    @contextlib.contextmanager
+    def compiling(self) -> Iterator[None]:
+        """Inside, this plan's run methods compile their Triton kernels for the arguments given
+        instead of launching them (side by side on a thread pool); on exit every one has compiled.
+
+        The outputs of calls made inside are left unset. A step that launches several kernels
+        otherwise compiles them one after another on its first call (fp32 on an H200: about
+        10 s for Sift's warmup and sparse steps, about 4 s side by side). Elsewhere
+        (``compiles_ahead`` false) the calls run as usual.
+        """
+        if not self.compiles_ahead:
+            yield
+            return
+        from .triton_common import compiling
+
+        with on_device(self.device), compiling():
+            yield
 
     def _launch(self, run: Any, *args: Any, **kwargs: Any) -> Any:
         """A Triton entry point on this plan's geometry and workspace, launched on the plan's device."""

@@ -1,13 +1,64 @@
 """Triton helpers shared by the decode kernels (``triton_decode``'s passes and
-``triton_quantile``'s select): the dot with the interpreter's bf16 workaround, a row's valid key
-range, its split ranges, and the merge of per-split softmax statistics."""
+``triton_quantile``'s select): the launch (or, while compiling ahead, the compilation) of a
+kernel, the dot with the interpreter's bf16 workaround, a row's valid key range, its split
+ranges, and the merge of per-split softmax statistics."""
 
 from __future__ import annotations
+
+import contextlib
+import os
+from concurrent.futures import ThreadPoolExecutor
+from contextvars import ContextVar
+from typing import Any, Iterator
 
 import triton
 import triton.language as tl
 
 _INT_MAX = tl.constexpr(2147483647)
+
+_COMPILING: ContextVar[bool] = ContextVar("siftattention_compiling", default=False)
+
+
+def launch(kernel: Any, grid: tuple, *args: Any, **kwargs: Any) -> Any:
+    """``kernel[grid](*args, **kwargs)``; inside ``compiling()`` only its compilation for these arguments."""
+    if _COMPILING.get():
+        return kernel.warmup(*args, grid=grid, **kwargs)
+    return kernel[grid](*args, **kwargs)
+
+
+def compile_threads() -> int:
+    """Threads for compiling ahead: ``SIFTATTENTION_COMPILE_THREADS``, else up to 8 (0 or 1: one at a time)."""
+    value = os.environ.get("SIFTATTENTION_COMPILE_THREADS")
+    if value is not None and value.strip().isdigit():
+        return int(value)
+    return min(8, os.cpu_count() or 1)
+
+
+@contextlib.contextmanager
+def compiling(threads: int | None = None) -> Iterator[None]:
+    """Kernels ``launch``ed inside are compiled, not run; every compilation has finished on exit.
+
+    The compilations run side by side on a thread pool where Triton offers it (its
+    ``AsyncCompileMode``; ptxas and most of the lowering leave the interpreter lock), so a
+    step's kernels cost about the slowest one's compile instead of the sum.
+    """
+    threads = compile_threads() if threads is None else threads
+    token = _COMPILING.set(True)
+    try:
+        with contextlib.ExitStack() as stack:
+            mode = None
+            if threads > 1:
+                try:
+                    from triton.runtime._async_compile import AsyncCompileMode, active_mode
+                except ImportError:  # an older Triton: one after another
+                    active_mode = None
+                if active_mode is not None and active_mode.get() is None:
+                    mode = AsyncCompileMode(stack.enter_context(ThreadPoolExecutor(threads)))
+            if mode is not None:
+                stack.enter_context(mode)  # its exit waits for every compilation
+            yield
+    finally:
+        _COMPILING.reset(token)
 
 
 @triton.jit

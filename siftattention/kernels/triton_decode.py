@@ -49,7 +49,7 @@ import triton
 import triton.language as tl
 
 from .plan import PowerLawThreshold
-from .triton_common import _INT_MAX, _dot, _row_ml, _row_range, _split_range
+from .triton_common import _INT_MAX, _dot, _row_ml, _row_range, _split_range, launch
 from .triton_quantile import quantile_pass
 
 LOG2E = 1.4426950408889634
@@ -1105,7 +1105,7 @@ def scores_pass(geo: dict, ws: Workspace, q, k_cache, scale: float, seq_lens, st
     B, Hq, Hkv, S = geo["B"], geo["Hq"], geo["Hkv"], geo["S"]
     has_sl, has_st = seq_lens is not None, starts is not None
     grid = (geo["programs1"],) if geo["programs1"] else (geo["ns1"], B * Hkv)
-    _scores_kernel[grid](
+    launch(_scores_kernel, grid,
         q, k_cache, ws.scores, ws.mst, ws.lst, ws.ast, ws.mas, ws.las,
         seq_lens if has_sl else ws.ast, starts if has_st else ws.ast,
         ws.arrive,
@@ -1144,7 +1144,7 @@ def filter_pass(
     kept = torch.empty(B, Hq, device=dev, dtype=torch.int32) if want_kept else None
     has_sl, has_st = seq_lens is not None, starts is not None
     gap = anchors[0] if anchors is not None else ws.mst
-    _filter_kernel[(geo["ns2"], B * Hkv)](
+    launch(_filter_kernel, (geo["ns2"], B * Hkv),
         v_cache, ws.scores, ws.mst, ws.lst, ws.ast, ws.mas, ws.las, eta_arg, beta_arg, log_steps_arg, gap,
         seq_lens if has_sl else ws.ast, starts if has_st else ws.ast,
         ws.idx, ws.wc, ws.part, ws.cnt, ws.mass, ws.sem, ws.arrive,
@@ -1163,7 +1163,7 @@ def filter_pass(
         num_warps=cfg.warps2, num_stages=cfg.stages2, **geo["regs2"], **({"launch_pdl": True} if pdl else {}),
     )
     if not fused:
-        _combine_kernel[(B * Hq,)](
+        launch(_combine_kernel, (B * Hq,),
             ws.part, ws.cnt, ws.mass, out, kept if kept is not None else ws.cnt,
             out.stride(0), out.stride(1), out.stride(2), geo["ns2"],
             HQ=Hq, D=D, BLOCK_D=geo["BLOCK_D"], BLOCK_S2=geo["BLOCK_S2"],
@@ -1219,7 +1219,7 @@ def warmup_gap(geo: dict, ws: Workspace, seq_lens, starts, first: int, last: int
     mst, lst, ns = (ws.dm, ws.dl, geo["nsd"]) if cfg.warmup_dense else (ws.mst, ws.lst, geo["ns1"])
     gap = torch.empty(B, Hq, device=ws.scores.device, dtype=torch.float32)
     has_sl, has_st = seq_lens is not None, starts is not None
-    _warmup_gap_kernel[(B,)](
+    launch(_warmup_gap_kernel, (B,),
         ws.scores, mst, lst, seq_lens if has_sl else gap, starts if has_st else gap, gap, geo["S"], ns,
         HQ=Hq, BLOCK_H=_pow2(Hq), BLOCK_S=_pow2(ns), FIRST=first, LAST=last, BLOCK_F=_pow2(first),
         BLOCK_L=_pow2(last), HAS_SEQ_LENS=has_sl, HAS_STARTS=has_st, num_warps=4,
@@ -1233,7 +1233,7 @@ def dense(geo: dict, ws: Workspace, q, k_cache, v_cache, scale: float, seq_lens,
     B, Hq, Hkv, D = geo["B"], geo["Hq"], geo["Hkv"], geo["D"]
     out = torch.empty(B, Hq, D, device=q.device, dtype=q.dtype)
     has_sl, has_st = seq_lens is not None, starts is not None
-    _dense_kernel[(geo["nsd"], B * Hkv)](
+    launch(_dense_kernel, (geo["nsd"], B * Hkv),
         q, k_cache, v_cache, seq_lens if has_sl else ws.dm, starts if has_st else ws.dm,
         ws.dpart, ws.dm, ws.dl, ws.dense_sem, out, ws.scores if store_scores else ws.dm,
         q.stride(0), q.stride(1), q.stride(2),

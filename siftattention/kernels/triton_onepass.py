@@ -40,7 +40,7 @@ import triton.language as tl
 
 from . import triton_decode as td
 from .plan import PowerLawThreshold, check_shape
-from .triton_common import _INT_MAX
+from .triton_common import _INT_MAX, launch
 
 _F16_EXACT_TILES = 2048  # float16 lane counts are exact integers up to 2048
 
@@ -370,7 +370,7 @@ class OnePassPlan:
         kept = torch.empty(B, Hq, device=q.device, dtype=torch.int32)
         log_alpha, beta, log_steps = threshold
         has_sl, has_st = seq_lens is not None, starts is not None
-        self.compiled = _onepass_kernel[self.grid](
+        launch(_onepass_kernel, self.grid,
             q, k_cache, v_cache, log_alpha, beta, log_steps, gap,
             seq_lens if has_sl else self.sem, starts if has_st else self.sem,
             self.part, self.mp, self.lp, self.cnt, self.mass, self.sem, out, kept,

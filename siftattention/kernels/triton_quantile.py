@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import _INT_MAX, _row_ml, _row_range, _split_range
+from .triton_common import _INT_MAX, _row_ml, _row_range, _split_range, launch
 
 if TYPE_CHECKING:  # the plan and workspace types live with the passes, which import this module
     from .triton_decode import KernelConfig, Workspace
@@ -345,7 +345,7 @@ def quantile_pass(geo: dict, ws: Workspace, tau: torch.Tensor, seq_lens, starts,
     mst, lst, ns, block_s = (ws.dm, ws.dl, geo["nsd"], geo["BLOCK_SD"]) if from_dense else (
         ws.mst, ws.lst, geo["ns1"], geo["BLOCK_S1"])
     sl_arg, st_arg = seq_lens if has_sl else theta, starts if has_st else theta
-    _quantile_kernel[(geo["B"] * geo["Hq"], geo["NQ"])](
+    launch(_quantile_kernel, (geo["B"] * geo["Hq"], geo["NQ"]),
         ws.scores, mst, lst, tau, sl_arg, st_arg, ws.qhist, ws.qbracket, ws.qsync, ws.qnext, theta, geo["S"], ns,
         geo["NQ"], HQ=geo["Hq"], BLOCK=cfg.quantile_block, BLOCK_S1=block_s,
         HAS_SEQ_LENS=has_sl, HAS_STARTS=has_st, STAGES=cfg.quantile_stages,

@@ -159,6 +159,12 @@ class Method:
         """
         return None
 
+    def phases_to_compile(self, step: int) -> tuple[str, ...]:
+        """The decode phases from step ``step`` on whose kernels a decode plan made at that step
+        compiles ahead, all at once and side by side: those of a method whose steps launch several
+        of the plan's Triton kernels. None by default (one kernel compiles as fast at its launch)."""
+        return ()
+
     def decode_step(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, keys: KeyRange, state: Any, phase: str, kernels: Any) -> DecodeOutput:
         """One decode step over the cache: ``query`` [B, Hq, D], caches [B, Hkv, L, D].
 

@@ -36,6 +36,9 @@ class Oracle(Method):
     def decode_phase(self, step: int) -> str:
         return "sparse"
 
+    def phases_to_compile(self, step: int) -> tuple[str, ...]:
+        return ("sparse",)
+
     def decode_step(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, keys: KeyRange, state: None, phase: str, kernels: Any) -> DecodeOutput:
         # The exact quantile of this step is the threshold (the warmup kernel computes it).
         _, theta = kernels.warmup(query, k_cache, v_cache, self.tau, keys.seq_lens, keys.starts)

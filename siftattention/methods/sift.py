@@ -160,6 +160,9 @@ class Sift(Method):
             return "warmup"
         return "sparse"
 
+    def phases_to_compile(self, step: int) -> tuple[str, ...]:
+        return ("warmup", "sparse") if self.decode_phase(step) == "warmup" else ("sparse",)
+
     def decode_step(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, keys: KeyRange, state: SiftState, phase: str, kernels: Any) -> DecodeOutput:
         if phase == "warmup":
             out, theta = kernels.warmup(query, k_cache, v_cache, self.tau, keys.seq_lens, keys.starts)
