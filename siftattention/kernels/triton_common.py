@@ -39,8 +39,8 @@ def compiling(threads: int | None = None) -> Iterator[None]:
     """Kernels ``launch``ed inside are compiled, not run; every compilation has finished on exit.
 
     The compilations run side by side on a thread pool where Triton offers it (its
-    ``AsyncCompileMode``; ptxas and most of the lowering leave the interpreter lock), so a
-    step's kernels cost about the slowest one's compile instead of the sum.
+    ``AsyncCompileMode``; ptxas runs as a process of its own, the Python part of the lowering
+    does not overlap), so a step's kernels cost nearer the slowest one's compile than the sum.
     """
     threads = compile_threads() if threads is None else threads
     token = _COMPILING.set(True)
