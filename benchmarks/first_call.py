@@ -27,7 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def one_case(path: str, method: str, dtype: str) -> dict:
     """Run in the child process: two calls, their seconds and the kernels compiled in the first."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from hf_generate_compiles import smollm2_shaped  # this script's directory is on sys.path
     from triton.runtime.jit import JITFunction
 
     from siftattention import Full, Sift, apply
@@ -44,12 +44,7 @@ def one_case(path: str, method: str, dtype: str) -> dict:
         return kernel
 
     JITFunction._do_compile = spy
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                      num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
-                      tie_word_embeddings=True)
-    model = LlamaForCausalLM(cfg).to("cuda", getattr(torch, dtype)).eval()
-    ids = torch.randint(3, 49152, (1, 185), device="cuda")
+    model, ids = smollm2_shaped(getattr(torch, dtype))
     mask = torch.ones_like(ids)
     seconds, first_compiles = [], None
     for _ in range(2):

@@ -32,6 +32,19 @@ class StepClock(LogitsProcessor):
         return scores
 
 
+def smollm2_shaped(dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, torch.Tensor]:
+    """A CUDA model of SmolLM2-135M's shape (30 layers, 9 query and 3 KV heads of 64) with random
+    weights, and a random 185-token prompt (the paper prompt's length): where only the shapes matter."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                      num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+                      tie_word_embeddings=True)
+    model = LlamaForCausalLM(cfg).to("cuda", dtype).eval()
+    return model, torch.randint(3, 49152, (1, 185), device="cuda")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")

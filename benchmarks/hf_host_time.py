@@ -25,8 +25,8 @@ import time
 
 import torch
 import triton
-from hf_generate_compiles import StepClock  # this script's directory is on sys.path
-from transformers import LlamaConfig, LlamaForCausalLM, LogitsProcessorList
+from hf_generate_compiles import StepClock, smollm2_shaped  # this script's directory is on sys.path
+from transformers import LogitsProcessorList
 
 
 def per_call_us(fn, n: int = 400) -> float:
@@ -125,16 +125,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                      num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
-                      tie_word_embeddings=True)
-    model = LlamaForCausalLM(cfg).cuda().eval()
-    ids = torch.randint(3, 49152, (1, 185), device="cuda")
+    model, ids = smollm2_shaped()
     import transformers
 
     res = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-               transformers=transformers.__version__, date=time.strftime("%Y-%m-%d"), layers=30,
+               transformers=transformers.__version__, date=time.strftime("%Y-%m-%d"),
+               layers=model.config.num_hidden_layers,
                generate=generate_steps(model, ids), launches=launch_costs())
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)

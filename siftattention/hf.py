@@ -363,7 +363,7 @@ class SiftHandle:
                 return None
             keys = self._step_keys(layer, attention_mask, key.shape[2], query.shape[0], query.device)
         kernels, planned = self._plan(query, key, scaling)
-        if planned and kernels.compiles_ahead and self.method.phases_to_compile(step):
+        if planned and kernels.compiles_ahead:
             self._compile_ahead(kernels, layer, step, query, key, value, keys)
         res = self.method.decode_step(query[:, :, 0], key, value, keys, state, phase, kernels)
         if self.context is None and self.method.decode_phase(step + 1) != phase:  # the fast loop ends phases for all layers
@@ -385,10 +385,13 @@ class SiftHandle:
                        value: torch.Tensor, keys: KeyRange) -> None:
         """Compile the kernels of every phase the method names for a plan new at ``step``, side by
         side, on a scratch state: otherwise the first step of each phase compiles its kernels one by one."""
+        phases = self.method.phases_to_compile(step)
+        if not phases:
+            return
         B, Hq = query.shape[:2]
         scratch = self.method.new_state(B, Hq, query.device, layer=layer)
         with kernels.compiling():
-            for phase in self.method.phases_to_compile(step):
+            for phase in phases:
                 self.method.decode_step(query[:, :, 0], key, value, keys, scratch, phase, kernels)
 
     def _plan(self, query: torch.Tensor, key: torch.Tensor, scaling: float) -> tuple[Any, bool]:

@@ -46,16 +46,14 @@ def compiling(threads: int | None = None) -> Iterator[None]:
     token = _COMPILING.set(True)
     try:
         with contextlib.ExitStack() as stack:
-            mode = None
             if threads > 1:
                 try:
                     from triton.runtime._async_compile import AsyncCompileMode, active_mode
                 except ImportError:  # an older Triton: one after another
                     active_mode = None
                 if active_mode is not None and active_mode.get() is None:
-                    mode = AsyncCompileMode(stack.enter_context(ThreadPoolExecutor(threads)))
-            if mode is not None:
-                stack.enter_context(mode)  # its exit waits for every compilation
+                    # Exits first, waiting for every compilation; then the pool shuts down.
+                    stack.enter_context(AsyncCompileMode(stack.enter_context(ThreadPoolExecutor(threads))))
             yield
     finally:
         _COMPILING.reset(token)
