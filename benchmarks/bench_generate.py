@@ -152,11 +152,13 @@ def hf_generate(model, ids, new: int) -> dict:
     return {"prefill_s": prefill, "decode_ms": (total - prefill) / (new - 1) * 1e3}
 
 
-def fast(model, ids, method, new: int, chunk: int, compile: bool = False) -> dict:
+def fast(model, ids, method, new: int, chunk: int, compile: bool = False, all_tokens: bool = False) -> dict:
     res = generate(model, ids, None, method, max_new_tokens=new, eos_token_id=-1, pad_token_id=0, prefill_chunk=chunk, compile=compile)
     t = res.timings
     # decode_ms: every step, first (compiling) steps included; steady_ms: the median step of the main phase.
     out = {"prefill_s": t["prefill_s"], "decode_ms": t["decode_s"] / t["decode_steps"] * 1e3, "phases": t["phases"], "tokens": res.new_tokens[:, :8].tolist()}
+    if all_tokens:
+        out["new_tokens"] = res.new_tokens.tolist()
     main = t["phases"].get("sparse") or t["phases"].get("exact")
     out["steady_ms"] = main["steady_ms"]
     # run_ms: a token of the whole decode, each step at its phase's steady time (the first, compiling

@@ -80,7 +80,8 @@ def _load(model_name: str, device: str = "cpu", dtype: str = "float32"):
 
 
 def run_ppl(
-    model_name: str, dataset: str, data_file: str | None, seq_len: int, num_seqs: int, specs: tuple[str, ...], out: Path, loaded=None
+    model_name: str, dataset: str, data_file: str | None, seq_len: int, num_seqs: int, specs: tuple[str, ...], out: Path, loaded=None,
+    device: str = "cpu", dtype: str = "float32",
 ) -> dict:
     """Load, evaluate and write ``out/results.json`` (+ the sweep plot); returns the results payload."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -96,7 +97,7 @@ def run_ppl(
     if not corpus.text.strip():
         raise ValueError(f"the corpus is empty ({corpus.source})")
     check_out_dir(out)
-    model, tokenizer = loaded or _load(model_name)
+    model, tokenizer = loaded or _load(model_name, device, dtype)
     windows = token_windows(corpus.text, tokenizer, seq_len, num_seqs)
     console.print(f"data: {dataset} from {corpus.source}: {num_seqs} windows x {seq_len} tokens")
     start = time.perf_counter()
@@ -239,8 +240,13 @@ def cli(ctx: click.Context) -> None:
 @click.option("--num-seqs", default=8, show_default=True, type=click.IntRange(min=1))
 @click.option("--method", "specs", multiple=True, required=True, help="method spec, repeatable (see above)")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("runs/ppl"), show_default=True)
-def ppl(model_name: str, dataset: str, data_file: str | None, seq_len: int, num_seqs: int, specs: tuple[str, ...], out: Path) -> None:
-    run_ppl(model_name, dataset, data_file, seq_len, num_seqs, specs, out)
+@click.option("--device", default="cpu", show_default=True, help="auto, cpu, cuda or cuda:N (unused under torchrun)")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
+def ppl(model_name: str, dataset: str, data_file: str | None, seq_len: int, num_seqs: int, specs: tuple[str, ...], out: Path,
+        device: str, dtype: str) -> None:
+    from .cli_eval import resolve_device
+
+    run_ppl(model_name, dataset, data_file, seq_len, num_seqs, specs, out, device=resolve_device(device), dtype=dtype)
 
 
 @cli.command(help="Greedy generation with one or more methods, printed side by side, with tokens/s and realized sparsity.")

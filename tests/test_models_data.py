@@ -31,7 +31,7 @@ def test_unknown_model_and_file_paths_raise_clear_errors(tmp_path, monkeypatch):
     with pytest.raises(ModelNotFoundError) as info:
         load_model("definitely/not-a-model")
     message = str(info.value)
-    assert message.startswith("unknown model 'definitely/not-a-model': not an embedded model (smollm2-135m, gemma3-270m)")
+    assert message.startswith("unknown model 'definitely/not-a-model': not an embedded model (smollm2-135m, gemma3-270m, qwen2.5-1.5b)")
     assert "\n" not in message
     f = tmp_path / "weights.bin"
     f.write_bytes(b"0")
@@ -79,7 +79,8 @@ def test_embedded_models_say_whether_they_are_installed():
     import importlib.util
 
     for name, entry in EMBEDDED.items():
-        assert entry.installed() == (importlib.util.find_spec(entry.package) is not None), name
+        packages = (entry.package, *entry.more_packages)
+        assert entry.installed() == all(importlib.util.find_spec(package) is not None for package in packages), name
     assert EMBEDDED["smollm2-135m"].installed()  # make install puts it in
 
 

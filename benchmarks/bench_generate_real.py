@@ -1,0 +1,225 @@
+"""End-to-end decode speed on real models with real prompts: transformers, dense fast path, Sift, Top-k.
+
+One command on the GPU machine (the recipe that brings the models there is benchmarks/GPU_MODELS.md):
+
+    PYTHONPATH=. python3 benchmarks/bench_generate_real.py --model qwen2.5-1.5b --settings 8x16384 16x32768 \
+        --check --attention-share --out $OUT/real_qwen.json
+
+Prompts are consecutive, non-overlapping windows of real text (WikiText-2 test, then any
+``--data-file``), one per batch row; greedy decoding of ``--new`` tokens with no stop token.
+Reported per setting and method: prefill seconds, decode tokens/s over the whole decode
+(first, compiling steps included) and at the steady step of the main phase, realized
+sparsity after warmup and over every decode step, and agreement of the new tokens with the
+dense fast path's (common prefix, ROUGE-L). ``--attention-share`` adds the GPU time of one
+decode step's attention alone (all layers, CUDA graphs, the real queries and caches after
+Sift's warmup): the dense kernel, Sift's kernels, the whole Sift step, and the fraction of
+V rows that some head of a KV group keeps (``v_rows_per_kv_head``), which with K sets the
+exact step's bytes. The byte floor reads the weights and the valid KV cache once per token
+at the copy bandwidth measured in the same run; Sift's ceiling reads all of K and the kept V.
+``--check`` first compares the dense fast path's greedy tokens with transformers' generate
+on the same model and dtype, and says where they part (the top-2 logit gap there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from siftattention import Full, Sift, TopK
+from siftattention.data import load_corpus, read_text_file
+from siftattention.eval.tasks.base import common_prefix, rouge_l
+from siftattention.generation import generate
+from siftattention.models import load_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_generate import attention_share, copy_bandwidth, fast, free, hf_generate, profile_steps, weight_bytes  # noqa: E402
+
+METHODS = {
+    "dense": lambda a: Full(),
+    "sift": lambda a: Sift(tau=a.tau, warmup=a.warmup),
+    "sift_anchored": lambda a: Sift(tau=a.tau, warmup=a.warmup, normalizer="anchored"),
+    "sift_095": lambda a: Sift(tau=0.95, warmup=a.warmup),
+    "topk": lambda a: TopK(k=1 - a.tau),
+}
+
+
+def setting(text: str) -> tuple[int, int]:
+    try:
+        batch, prompt = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected BATCHxPROMPT, got {text!r}") from None
+    if batch < 1 or prompt < 2:
+        raise argparse.ArgumentTypeError(f"batch >= 1 and prompt >= 2, got {text!r}")
+    return batch, prompt
+
+
+def prompt_tokens(tokenizer, files: list[str]) -> torch.Tensor:
+    """The token ids of WikiText-2's test split followed by each file, one long sequence."""
+    texts = [load_corpus("wikitext2").text] + [read_text_file(f) for f in files]
+    return torch.tensor(tokenizer("\n\n".join(texts), add_special_tokens=False)["input_ids"], dtype=torch.long)
+
+
+def windows(tokens: torch.Tensor, batch: int, prompt: int) -> torch.Tensor:
+    if batch * prompt > tokens.numel():
+        raise SystemExit(f"the text has {tokens.numel():,} tokens; {batch}x{prompt} needs {batch * prompt:,}: add --data-file")
+    return tokens[: batch * prompt].view(batch, prompt)
+
+
+def read_weight_bytes(model) -> int:
+    """Weight bytes a decode step reads: all but an input embedding table that is not also the output matrix."""
+    embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    untied = embed.data_ptr() != head.data_ptr()
+    return weight_bytes(model) - (embed.numel() * embed.element_size() if untied else 0)
+
+
+def kv_bytes(model, batch: int, seq: int) -> int:
+    cfg = model.config.get_text_config()
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return 2 * batch * seq * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 2
+
+
+def agreement(reference: list[list[int]], tokens: list[list[int]]) -> dict:
+    prefixes = [common_prefix(r, t) for r, t in zip(reference, tokens)]
+    return {"common_prefix_mean": sum(prefixes) / len(prefixes), "common_prefix_min": min(prefixes),
+            "rouge_l_mean": sum(rouge_l(r, t) for r, t in zip(reference, tokens)) / len(tokens),
+            "identical_rows": sum(r == t for r, t in zip(reference, tokens))}
+
+
+def check(model, tokens: torch.Tensor, new: int = 64) -> dict:
+    """Greedy tokens of the dense fast path against transformers' generate, same model and dtype."""
+    ids = windows(tokens, 2, 512).cuda()
+    with torch.inference_mode():
+        ref = model.generate(input_ids=ids, max_new_tokens=new, do_sample=False, min_new_tokens=new, eos_token_id=None,
+                             pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+    ours = generate(model, ids, None, Full(), max_new_tokens=new, eos_token_id=-1, pad_token_id=0)
+    ref_new, our_new = ref.sequences[:, ids.shape[1]:].tolist(), ours.new_tokens.tolist()
+    rows = []
+    for b, (r, o) in enumerate(zip(ref_new, our_new)):
+        n = common_prefix(r, o)
+        row = {"agreeing_tokens": n, "of": new}
+        if n < new:  # where they part: how close transformers' top two logits were there
+            top2 = ref.scores[n][b].float().topk(2).values
+            row["top2_logit_gap_at_parting"] = float(top2[0] - top2[1])
+        rows.append(row)
+    free()
+    return {"prompt": 512, "new": new, "rows": rows}
+
+
+def run_method(model, ids, name: str, args) -> dict:
+    method = METHODS[name](args)
+    generate(model, ids[:, : min(ids.shape[1], 1024)], None, METHODS[name](args), max_new_tokens=args.warmup + 8,
+             eos_token_id=-1, pad_token_id=0)  # compiles this method's kernels before it is timed
+    free()
+    start = time.perf_counter()
+    out = fast(model, ids, method, args.new, args.prefill_chunk, all_tokens=True)
+    out["wall_s"] = time.perf_counter() - start
+    out["decode_tok_s"] = ids.shape[0] * 1e3 / out["decode_ms"]
+    out["steady_tok_s"] = ids.shape[0] * 1e3 / out["steady_ms"]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2-135m", help="an embedded model name or a model directory")
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
+    ap.add_argument("--settings", nargs="+", type=setting, default=[(16, 8192)], help="BATCHxPROMPT, e.g. 16x8192")
+    ap.add_argument("--methods", nargs="+", default=["dense", "sift", "sift_anchored", "sift_095", "topk"], choices=list(METHODS))
+    ap.add_argument("--new", type=int, default=256, help="new tokens per row")
+    ap.add_argument("--hf-new", type=int, default=32, help="new tokens for transformers' generate (0: skip it)")
+    ap.add_argument("--hf-max-tokens", type=int, default=16 * 16384, help="skip transformers' generate above B x prompt")
+    ap.add_argument("--tau", type=float, default=0.875)
+    ap.add_argument("--warmup", type=int, default=16)
+    ap.add_argument("--prefill-chunk", type=int, default=8192)
+    ap.add_argument("--data-file", action="append", default=[], help="more text after WikiText-2 (for long prompts)")
+    ap.add_argument("--check", action="store_true", help="first compare the dense fast path with transformers' generate")
+    ap.add_argument("--attention-share", action="store_true", help="GPU time of one step's attention: dense vs Sift")
+    ap.add_argument("--profile", action="store_true", help="device time per kernel of one eager decode step, dense and Sift")
+    ap.add_argument("--out", type=Path, default=Path("bench_generate_real.json"))
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_generate_real.py needs a CUDA GPU")
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    t0 = time.perf_counter()
+    model, tokenizer = load_model(args.model, dtype=dtype, device="cuda")
+    load_s = time.perf_counter() - t0
+    tokens = prompt_tokens(tokenizer, args.data_file)
+    for batch, prompt in args.settings:
+        windows(tokens, batch, prompt)  # every setting's text checked before any work
+    bw = copy_bandwidth()
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "model": args.model,
+              "load_s": load_s, "text_tokens": tokens.numel(), "copy_tbps": bw / 1e12, "args": vars(args) | {"out": str(args.out)},
+              "weights_read_gb": read_weight_bytes(model) / 1e9, "settings": []}
+    print(f"{result['device']}: {args.model} loaded in {load_s:.0f} s; copy {bw / 1e12:.2f} TB/s; {tokens.numel():,} tokens of text",
+          flush=True)
+    if args.check:
+        result["check"] = check(model, tokens)
+        print("check:", result["check"]["rows"], flush=True)
+
+    def save() -> None:
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+
+    for batch, prompt in args.settings:
+        ids = windows(tokens, batch, prompt).cuda()
+        floor = (read_weight_bytes(model) + kv_bytes(model, batch, prompt + args.new // 2)) / bw * 1e3
+        row = {"batch": batch, "prompt": prompt, "floor_ms": floor, "floor_tok_s": batch * 1e3 / floor,
+               "kv_share_of_bytes": kv_bytes(model, batch, prompt) / (read_weight_bytes(model) + kv_bytes(model, batch, prompt)),
+               "methods": {}}
+        result["settings"].append(row)
+        if args.hf_new and batch * prompt <= args.hf_max_tokens:
+            hf = hf_generate(model, ids, args.hf_new)
+            row["methods"]["transformers"] = hf | {"decode_tok_s": batch * 1e3 / hf["decode_ms"]}
+            print(f"{batch}x{prompt} transformers: {row['methods']['transformers']['decode_tok_s']:.0f} tok/s", flush=True)
+            save()
+        for name in args.methods:
+            out = run_method(model, ids, name, args)
+            row["methods"][name] = out
+            print(f"{batch}x{prompt} {name}: {out['decode_tok_s']:.0f} tok/s (steady {out['steady_tok_s']:.0f}), prefill "
+                  f"{out['prefill_s']:.1f} s, realized {out.get('realized_post_warmup', 0):.3f} after warmup", flush=True)
+            save()
+        dense = row["methods"].get("dense")
+        if dense:
+            for name, out in row["methods"].items():
+                if "new_tokens" in out and name != "dense":
+                    out["agreement_with_dense"] = agreement(dense["new_tokens"], out["new_tokens"])
+                if "decode_tok_s" in out:
+                    out["speedup_vs_dense"] = out["decode_tok_s"] / dense["decode_tok_s"]
+        if args.attention_share:
+            share = attention_share(model, ids, args.tau, args.warmup)
+            union = share["v_rows_read"]["v_rows_per_kv_head"]
+            kv = kv_bytes(model, batch, prompt)
+            share["sift_ceiling_vs_dense"] = (read_weight_bytes(model) + kv) / (read_weight_bytes(model) + kv / 2 * (1 + union))
+            row["attention_share"] = share
+            print(f"{batch}x{prompt} attention of one step: dense {share['dense_ms']:.3f} ms, sift kernels "
+                  f"{share['sparse_kernels_ms']:.3f} ms, whole sift step {share['sift_decode_step_ms']:.3f} ms; "
+                  f"V rows read {union:.3f}; byte ceiling {share['sift_ceiling_vs_dense']:.3f}x dense", flush=True)
+        if args.profile:
+            for name in ("dense", "sift"):
+                table = profile_steps(model, ids, METHODS[name](args), new=args.warmup + 4)
+                row.setdefault("profile", {})[name] = table
+                print(f"{batch}x{prompt} {name}, one eager decode step:\n{table}", flush=True)
+        for out in row["methods"].values():
+            out.pop("new_tokens", None)
+        save()
+        del ids
+        free()
+
+    print(f"\n{result['device']}, {args.model} {args.dtype}, {args.new} new tokens, tau {args.tau}, warmup {args.warmup}")
+    print("| B x prompt | method | decode tok/s | x dense | realized after warmup | prefix agree | ROUGE-L |")
+    print("|---|---|---|---|---|---|---|")
+    for row in result["settings"]:
+        for name, out in row["methods"].items():
+            agree = out.get("agreement_with_dense", {})
+            print(f"| {row['batch']}x{row['prompt']} | {name} | {out['decode_tok_s']:.0f} | {out.get('speedup_vs_dense', float('nan')):.3f} | "
+                  f"{out.get('realized_post_warmup', float('nan')):.3f} | {agree.get('common_prefix_mean', float('nan')):.1f} | "
+                  f"{agree.get('rouge_l_mean', float('nan')):.3f} |")
+        print(f"| {row['batch']}x{row['prompt']} | byte floor | {row['floor_tok_s']:.0f} | | | | |")
+
+
+if __name__ == "__main__":
+    main()
