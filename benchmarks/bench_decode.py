@@ -97,6 +97,18 @@ def make_inputs(B, Hq, Hkv, S, D, dtype, logit_std, group_corr, gen):
     return q.reshape(B, Hq, D).to(dtype), k, v
 
 
+def captured_inputs(path, B, n_sets, dtype):
+    """``n_sets`` (q, k, v) of real attention: the last captured step of successive layers, tiled over B rows."""
+    from siftattention.capture import CapturedAttention
+
+    cap = CapturedAttention.load(path, device=DEV)
+    sets = []
+    for i in range(n_sets):
+        q, k, v = cap.step(cap.layers[i % len(cap.layers)])
+        sets.append(tuple(t[:1].expand(B, *t.shape[1:]).contiguous().to(dtype) for t in (q, k, v)))
+    return sets, cap
+
+
 def ref_scores64(q, k, b):
     """float64 scaled scores of batch row b: [Hq, S]."""
     Hq, D = q.shape[1], q.shape[2]
@@ -268,6 +280,8 @@ def run_check(args):
         (2, 32, 16, 5000, 128, torch.bfloat16, True, False),
         (3, 4, 1, 2051, 256, torch.float32, True, False),  # Gemma-3's heads: 256 wide, one KV head
         (2, 8, 2, 9000, 256, torch.bfloat16, True, True),
+        (3, 9, 3, 8191, 64, torch.bfloat16, True, False),  # SmolLM2's heads: GQA 3
+        (2, 12, 2, 16385, 128, torch.bfloat16, True, False),  # Qwen2.5-1.5B's heads: GQA 6
     ]
     if DEV != "cuda":  # CPU dry run under the interpreter: the small cases only
         cases = [c for c in cases if c[0] * c[1] * c[3] <= 8000]
@@ -533,6 +547,12 @@ QUICK_SHAPES = [(32, 32, 8, 8192), (32, 32, 8, 32768), (32, 8, 8, 32768), (32, 8
 
 def sweep_configs(args):
     dts = args.dtype or (["fp16"] if args.quick else ["fp16", "bf16"])
+    if args.captured:  # the capture fixes heads and length; only the batch and dtype vary
+        from siftattention.capture import CapturedAttention
+
+        cap = CapturedAttention.load(args.captured)
+        q, k, _ = cap.step(cap.layers[0])
+        return [(B, q.shape[1], k.shape[1], k.shape[2], dt) for dt in dts for B in (args.batch or [8, 16])]
     if args.quick and not (args.batch or args.seq):
         heads = set(args.heads or [(32, 32), (32, 8)])
         return [(B, Hq, Hkv, S, dt) for dt in dts for (Hq, Hkv, B, S) in QUICK_SHAPES if (Hq, Hkv) in heads]
@@ -546,7 +566,7 @@ def sweep_configs(args):
 
 def run_sweep(args, copy_bps):
     gen = torch.Generator(device=DEV).manual_seed(3)
-    D = 128
+    D = args.head_dim
     rows = []
     done = set()
     if args.out and os.path.exists(args.out + ".partial"):  # resume an interrupted sweep
@@ -554,12 +574,18 @@ def run_sweep(args, copy_bps):
             rows = json.load(f)
         done = {(r["B"], r["Hq"], r["Hkv"], r["S"], r["dtype"], r["group_corr"]) for r in rows}
     configs = [(c, gc) for c in sweep_configs(args) for gc in (args.group_corr or [0.0]) if gc == 0.0 or c[1] != c[2]]
+    if args.captured:
+        configs = [(c, "captured") for c, _ in configs[:: len(args.group_corr or [0.0])]]
     for i, ((B, Hq, Hkv, S, dtn), gc) in enumerate(configs):
         if (B, Hq, Hkv, S, dtn, gc) in done:
             continue
         dt = DTYPES[dtn]
         t0 = time.time()
-        sets = [make_inputs(B, Hq, Hkv, S, D, dt, args.logit_std, gc, gen) for _ in range(args.sets)]
+        if args.captured:
+            sets, cap = captured_inputs(args.captured, B, args.sets, dt)
+            D = sets[0][0].shape[-1]
+        else:
+            sets = [make_inputs(B, Hq, Hkv, S, D, dt, args.logit_std, gc, gen) for _ in range(args.sets)]
         dense = bytes_dense(B, Hkv, S, D, 2)
         kern = planned(sets[0][0], sets[0][1])
         sl = full_lens(B, S)
@@ -630,7 +656,8 @@ def run_sweep(args, copy_bps):
             t_topk_g = bench_graph(topk_fn, sets)
             floor_bytes = dense / 2 * (1 + union)  # K + the V rows some head of the group keeps
             row = dict(
-                B=B, Hq=Hq, Hkv=Hkv, S=S, D=D, dtype=dtn, group_corr=gc, sparsity=sp, realized=sum(realized) / len(realized),
+                B=B, Hq=Hq, Hkv=Hkv, S=S, D=D, dtype=dtn, group_corr=gc, sparsity=sp,
+                **({"captured": args.captured, "captured_model": cap.model, "captured_layers": cap.layers} if args.captured else {}), realized=sum(realized) / len(realized),
                 v_rows_read=union, copy_tbps=copy_bps / 1e12,
                 sdpa_graph_ms=t_sdpa_g, sift_graph_ms=t_sift_g, topk_graph_ms=t_topk_g, dense_graph_ms=t_dense_g,
                 warmup_graph_ms=t_warm_g,
@@ -873,6 +900,9 @@ def main():
     ap.add_argument("--sparsity", type=float, nargs="*", help="default 0 0.5 0.75 0.875 0.95 (--tune-grid: 0 0.875 0.95)")
     ap.add_argument("--sets", type=int, default=3, help="rotating input sets")
     ap.add_argument("--logit-std", type=float, default=3.0)
+    ap.add_argument("--head-dim", type=int, default=128, choices=[64, 128, 256], help="head dimension of the planted inputs")
+    ap.add_argument("--captured", metavar="FILE", help="replay real attention saved by `sift capture` (tiled over --batch) "
+                    "instead of planted inputs")
     ap.add_argument("--group-corr", type=float, nargs="*", help="correlations of q across a GQA group (default 0)")
     ap.add_argument("--graph", action="store_true", help="(kept for old command lines: times are always CUDA-graph replays)")
     ap.add_argument("--eager", action="store_true", help="also time Python-launched calls and host time per call")

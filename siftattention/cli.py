@@ -351,9 +351,11 @@ def list_models() -> None:
 
 
 from .cli_analyze import analyze  # noqa: E402  (the command lives beside its analysis code)
+from .cli_capture import capture  # noqa: E402
 from .cli_eval import commands as eval_commands  # noqa: E402  (eval, sweep, lm-eval)
 
 cli.add_command(analyze)
+cli.add_command(capture)
 for _command in eval_commands:
     cli.add_command(_command)
 
