@@ -81,7 +81,7 @@ def plant_attention(model, logit_std: float, head_corr: float, pairs: int = 4, s
     directions with correlation ``head_corr``. The model needs ``attention_bias=True``.
     """
     cfg = model.config
-    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     group = cfg.num_attention_heads // cfg.num_key_value_heads
     half = head_dim // 2
     dims = torch.tensor([i for i in range(half - pairs, half)] + [i + half for i in range(half - pairs, half)])
@@ -124,7 +124,7 @@ def weight_bytes(model) -> int:
 def floor_ms(model, batch: int, seq: int, bw: float, world: int = 1) -> float:
     """One GPU's byte floor of a token: its weights and its share of the bf16 KV cache (``world`` ranks) read once."""
     cfg = model.config
-    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     kv = 2 * batch * seq * cfg.num_hidden_layers * (cfg.num_key_value_heads // world) * head_dim * 2
     return (weight_bytes(model) + kv) / bw * 1e3
 
@@ -181,29 +181,37 @@ def fast(model, ids, method, new: int, chunk: int, compile: bool = False, all_to
     return out
 
 
-def profile_steps(model, ids, method, new: int = 6) -> str:
-    """Device time per kernel of eager decode steps (no graph), to find what a token spends beside the bytes."""
+def profile_steps(model, ids, method, new: int = 6, graphs: bool = False, steps: int = 1) -> str:
+    """Device time per kernel of ``steps`` decode steps, to find what a token spends beside the bytes.
+
+    ``graphs``: the steps are replays of the loop's own CUDA graphs (as generation runs them),
+    and the table ends with the wall time per step; else eager steps (no graph).
+    """
     from torch.profiler import ProfilerActivity, profile
 
     from siftattention.generation.loop import _Loop, _Sampler
 
     handle = apply(model, method)
     try:
-        loop = _Loop(model, handle, ids, torch.ones_like(ids), new, _Sampler(False, 1.0, None), None, 0, False)
+        loop = _Loop(model, handle, ids, torch.ones_like(ids), new + steps, _Sampler(False, 1.0, None), None, 0, graphs)
         handle.context = loop.ctx
         with torch.inference_mode():
             loop.prefill(ids, torch.ones_like(ids), 8192)
-            for step in range(new - 2):  # warm: compile the kernels, reach the phase to profile
+            for step in range(new - 2):  # warm: compile the kernels, capture the graphs, reach the phase to profile
                 loop.decode(step)
             torch.cuda.synchronize()
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                loop.decode(new - 2)
+                start = time.perf_counter()
+                for step in range(new - 2, new - 2 + steps):
+                    loop.decode(step)
                 torch.cuda.synchronize()
+                wall_ms = (time.perf_counter() - start) * 1e3 / steps
     finally:
         handle.context = None
         handle.remove()
     free()
-    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70)
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70)
+    return table + f"\nwall per step: {wall_ms:.3f} ms ({steps} steps{', CUDA graphs' if graphs else ', eager'})"
 
 
 def kept_masks(q: torch.Tensor, k: torch.Tensor, eta: torch.Tensor, seq_lens: torch.Tensor, scale: float):

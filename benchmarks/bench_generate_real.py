@@ -112,8 +112,9 @@ def check(model, tokens: torch.Tensor, new: int = 64) -> dict:
 
 def run_method(model, ids, name: str, args) -> dict:
     method = METHODS[name](args)
-    generate(model, ids[:, : min(ids.shape[1], 1024)], None, METHODS[name](args), max_new_tokens=args.warmup + 8,
-             eos_token_id=-1, pad_token_id=0)  # compiles this method's kernels before it is timed
+    # The same call once before it is timed: Triton compiles kernels for each new shape (a second call, as a user's).
+    generate(model, ids, None, METHODS[name](args), max_new_tokens=args.new, eos_token_id=-1, pad_token_id=0,
+             prefill_chunk=args.prefill_chunk)
     free()
     start = time.perf_counter()
     out = fast(model, ids, method, args.new, args.prefill_chunk, all_tokens=True)
@@ -200,9 +201,10 @@ def main() -> None:
                   f"V rows read {union:.3f}; byte ceiling {share['sift_ceiling_vs_dense']:.3f}x dense", flush=True)
         if args.profile:
             for name in ("dense", "sift"):
-                table = profile_steps(model, ids, METHODS[name](args), new=args.warmup + 4)
-                row.setdefault("profile", {})[name] = table
-                print(f"{batch}x{prompt} {name}, one eager decode step:\n{table}", flush=True)
+                for graphs in (False, True):
+                    table = profile_steps(model, ids, METHODS[name](args), new=args.warmup + 6, graphs=graphs, steps=4)
+                    row.setdefault("profile", {})[f"{name}_{'graphs' if graphs else 'eager'}"] = table
+                    print(f"{batch}x{prompt} {name}, 4 decode steps ({'graphs' if graphs else 'eager'}):\n{table}", flush=True)
         for out in row["methods"].values():
             out.pop("new_tokens", None)
         save()

@@ -4,9 +4,11 @@ One command on a machine with two GPUs:
 
     PYTHONPATH=. python3 benchmarks/bench_generate_tp.py --compile --out $OUT/generate_tp.json
 
-Llama-3.1-8B's full shape with random bf16 weights and ``bench_generate.py``'s planted
-attention, saved once to a directory and loaded as a user would: on one GPU
-(``device_map={"": 0}``) and by ``--tp`` ranks of ``torch.distributed.run`` with
+Llama-3.1-8B's full shape (``--shape 70b``: Llama-3.1-70B's) with random bf16 weights and
+``bench_generate.py``'s planted attention, saved once to a directory (built a few layers at a
+time) and loaded as a user would: on one GPU (``device_map={"": 0}``; ``--reference per-gpu``:
+one rank's share of the heads and MLP as a model of its own, for a shape no one GPU holds)
+and by ``--tp`` ranks of ``torch.distributed.run`` with
 ``tp_plan="auto"`` (each rank holds 1/tp of every layer's heads and MLP columns; NCCL
 all-reduces after the attention and the MLP). Every world size decodes on
 ``siftattention.generate`` (one CUDA graph a token, the all-reduces captured inside it;
@@ -36,7 +38,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_generate import add_planting_args, copy_bandwidth, fast, floor_ms, free, planted_model, profile_steps, weight_bytes  # noqa: E402
+from bench_generate import (LLAMA_8B, add_planting_args, copy_bandwidth, fast, floor_ms, free, plant_attention, planted_model,  # noqa: E402
+                            profile_steps, set_q_scale, weight_bytes)
 
 from siftattention import Full, Sift  # noqa: E402
 
@@ -121,13 +124,61 @@ def worker(model_dir: str, options: str, out: str) -> None:
         torch.distributed.destroy_process_group()
 
 
-def save_model(directory: Path, args: argparse.Namespace) -> float:
-    """Build the planted 8B-shape model on the first GPU and save it; the seconds it took."""
+LLAMA_70B = dict(LLAMA_8B, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                 num_key_value_heads=8, head_dim=128)
+SHAPES = {"8b": LLAMA_8B, "70b": LLAMA_70B}
+
+
+def per_gpu_shape(shape: dict, tp: int) -> dict:
+    """The model one rank of ``tp`` holds, as a model of its own: 1/tp of the heads and MLP columns."""
+    head_dim = shape.get("head_dim") or shape["hidden_size"] // shape["num_attention_heads"]
+    return dict(shape, num_attention_heads=shape["num_attention_heads"] // tp, num_key_value_heads=shape["num_key_value_heads"] // tp,
+                intermediate_size=shape["intermediate_size"] // tp, head_dim=head_dim)
+
+
+def save_model(directory: Path, args: argparse.Namespace, shape: dict, chunk_layers: int = 8) -> float:
+    """Build the planted model ``chunk_layers`` decoder layers at a time on the first GPU and save it; the seconds it took.
+
+    A 70B-shape model (141 GB in bf16) fits no one GPU, so each chunk is a model of its own
+    (random weights as transformers initialises them, planted attention, the query scale)
+    whose layers are renumbered into one sharded safetensors checkpoint; the embedding, the
+    final norm and the output matrix come from the first chunk.
+    """
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig
+
+    from bench_generate import build
+
     start = time.perf_counter()
-    model = planted_model(args, layers=args.layers)
-    model.save_pretrained(directory)
-    del model
-    free()
+    layers = args.layers or shape["num_hidden_layers"]
+    overrides = {k: v for k, v in shape.items() if k != "num_hidden_layers" and (k not in LLAMA_8B or LLAMA_8B[k] != v)}
+    directory.mkdir(parents=True, exist_ok=True)
+    weight_map: dict[str, str] = {}
+    total = 0
+    for first in range(0, layers, chunk_layers):
+        n = min(chunk_layers, layers - first)
+        model = build(layers=n, attention_bias=args.plant_std > 0, **overrides)
+        if args.plant_std > 0:
+            plant_attention(model, args.plant_std, args.head_corr, seed=1 + first)
+        set_q_scale(model, args.q_scale)
+        tensors = {}
+        for name, tensor in model.state_dict().items():
+            if name.startswith("model.layers."):
+                index, rest = name[len("model.layers."):].split(".", 1)
+                name = f"model.layers.{first + int(index)}.{rest}"
+            elif first > 0:
+                continue
+            tensors[name] = tensor.detach().to("cpu", copy=True).contiguous()
+        shard = f"model-{first // chunk_layers:05d}.safetensors"
+        save_file(tensors, str(directory / shard), metadata={"format": "pt"})
+        weight_map.update({name: shard for name in tensors})
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+        del model, tensors
+        free()
+    cfg = LlamaConfig(**{**shape, "num_hidden_layers": layers, "attention_bias": args.plant_std > 0})
+    cfg.dtype = "bfloat16"
+    cfg.save_pretrained(directory)
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
     return time.perf_counter() - start
 
 
@@ -151,8 +202,9 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> float:
 
 def table(report: dict) -> str:
     runs = [r for r in report["runs"] if "rows" in r]
-    lines = ["| GPUs | B x prompt | prefill s (dense) | dense ms | Sift ms | Sift speedup | floor ms / GPU | all-reduces ms | dense / floor | s (post-warmup) | first tokens: Sift = dense | as on 1 GPU |",
+    lines = ["| GPUs | B x prompt | prefill s (dense) | dense ms | Sift ms | Sift speedup | floor ms / GPU | all-reduces ms (share of dense step) | dense / floor | s (post-warmup) | first tokens: Sift = dense | as on 1 GPU |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    whole = report.get("args", {}).get("reference", "whole") == "whole"  # else the one-GPU run is another model
     single = {(r["batch"], r["prompt"]): r for run in runs if run["world"] == 1 for r in run["rows"]}
     for run in runs:
         for r in run["rows"]:
@@ -161,8 +213,8 @@ def table(report: dict) -> str:
                 lines.append(f"| {run['world']} | {r['batch']} x {r['prompt']} | {d.get('error') or s.get('error')} |")
                 continue
             ref = single.get((r["batch"], r["prompt"]), {}).get("sift", {})
-            same = "-" if run["world"] == 1 or "tokens" not in ref else f"{agreement(ref['tokens'], s['tokens']):.2f}"
-            reduce = f"{r['all_reduce_ms']:.2f}" if "all_reduce_ms" in r else "-"
+            same = "-" if run["world"] == 1 or "tokens" not in ref or not whole else f"{agreement(ref['tokens'], s['tokens']):.2f}"
+            reduce = f"{r['all_reduce_ms']:.2f} ({r['all_reduce_ms'] / d['steady_ms']:.2f})" if "all_reduce_ms" in r else "-"
             lines.append(f"| {run['world']} | {r['batch']} x {r['prompt']} | {d['prefill_s']:.2f} | {d['steady_ms']:.2f} | {s['steady_ms']:.2f} | "
                          f"{d['steady_ms'] / s['steady_ms']:.3f} | {r['floor_ms']:.2f} | {reduce} | {d['steady_ms'] / r['floor_ms']:.2f} | "
                          f"{s.get('realized_post_warmup', math.nan):.3f} | {d['tokens'] == s['tokens']} | {same} |")
@@ -176,7 +228,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--settings", nargs="+", default=["8x32768", "16x32768"], help="BATCHxPROMPT")
     ap.add_argument("--tp", type=int, default=2, help="ranks of the tensor-parallel run")
-    ap.add_argument("--layers", type=int, default=32, help="decoder layers (fewer for a quick trial)")
+    ap.add_argument("--shape", choices=list(SHAPES), default="8b", help="Llama-3.1-8B's or -70B's shape (random weights)")
+    ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: the shape's; fewer for a quick trial)")
+    ap.add_argument("--reference", choices=["whole", "per-gpu"], default="whole",
+                    help="the one-GPU run: the whole model, or one rank's share as a model of its own (for shapes no one GPU holds)")
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--tau", type=float, default=0.875)
     ap.add_argument("--warmup", type=int, default=16)
@@ -195,19 +250,24 @@ def main() -> None:
         ap.error(f"--tp must be at least 2 (the one-GPU run is the reference), got {args.tp}")
     if torch.cuda.device_count() < args.tp:
         ap.error(f"--tp {args.tp} needs {args.tp} GPUs, this machine shows {torch.cuda.device_count()}")
-    if 8 % args.tp:
-        ap.error(f"--tp must divide the 8 KV heads, got {args.tp}")
+    shape = SHAPES[args.shape]
+    if shape["num_key_value_heads"] % args.tp:
+        ap.error(f"--tp must divide the {shape['num_key_value_heads']} KV heads, got {args.tp}")
     import transformers
 
     options = {k: getattr(args, k) for k in ("settings", "new", "tau", "warmup", "prefill_chunk", "compile", "profile", "no_generate")}
     report = {"device": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count(), "torch": torch.__version__,
               "transformers": transformers.__version__, "date": time.strftime("%Y-%m-%d"), "args": vars(args) | {"out": str(args.out)},
               "runs": []}
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp:
         model_dir = Path(tmp, "model")
-        report["save_s"] = save_model(model_dir, args)
+        report["save_s"] = save_model(model_dir, args, shape)
+        single_dir = model_dir
+        if args.single and args.reference == "per-gpu":
+            single_dir = Path(tmp, "per_gpu_model")
+            report["save_per_gpu_s"] = save_model(single_dir, args, per_gpu_shape(shape, args.tp))
         for world in (1, args.tp) if args.single else (args.tp,):
-            report["runs"].append(launch(world, model_dir, options, Path(tmp, f"world{world}.json")))
+            report["runs"].append(launch(world, single_dir if world == 1 else model_dir, options, Path(tmp, f"world{world}.json")))
             args.out.write_text(json.dumps(report, indent=1))
     print()
     print(f"planted logit std {args.plant_std}, head correlation {args.head_corr}, tau {args.tau}, warmup {args.warmup}, {args.new} new tokens, "
