@@ -241,6 +241,8 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="print the kernels of one eager dense decode step (the first setting)")
     ap.add_argument("--no-generate", action="store_true", help="skip the generation rows (with --profile)")
     ap.add_argument("--single", action=argparse.BooleanOptionalAction, default=True, help="also run the model on one GPU (the reference)")
+    ap.add_argument("--only", choices=["single", "tp"], help="run only the one-GPU reference or only the tensor-parallel run")
+    ap.add_argument("--model-dir", type=Path, help="keep the saved models here and reuse them (a later call can run the other world)")
     ap.add_argument("--out", type=Path, default=Path("bench_generate_tp.json"))
     args = ap.parse_args()
     for setting in args.settings:
@@ -257,16 +259,21 @@ def main() -> None:
 
     options = {k: getattr(args, k) for k in ("settings", "new", "tau", "warmup", "prefill_chunk", "compile", "profile", "no_generate")}
     report = {"device": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count(), "torch": torch.__version__,
-              "transformers": transformers.__version__, "date": time.strftime("%Y-%m-%d"), "args": vars(args) | {"out": str(args.out)},
+              "transformers": transformers.__version__, "date": time.strftime("%Y-%m-%d"), "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
               "runs": []}
-    with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp:
+    worlds = {"single": (1,), "tp": (args.tp,)}.get(args.only, (1, args.tp) if args.single else (args.tp,))
+    with tempfile.TemporaryDirectory() as scratch:
+        tmp = args.model_dir or Path(scratch)
         model_dir = Path(tmp, "model")
-        report["save_s"] = save_model(model_dir, args, shape)
+        if args.tp in worlds or args.reference == "whole":
+            if not (model_dir / "config.json").is_file():
+                report["save_s"] = save_model(model_dir, args, shape)
         single_dir = model_dir
-        if args.single and args.reference == "per-gpu":
+        if 1 in worlds and args.reference == "per-gpu":
             single_dir = Path(tmp, "per_gpu_model")
-            report["save_per_gpu_s"] = save_model(single_dir, args, per_gpu_shape(shape, args.tp))
-        for world in (1, args.tp) if args.single else (args.tp,):
+            if not (single_dir / "config.json").is_file():
+                report["save_per_gpu_s"] = save_model(single_dir, args, per_gpu_shape(shape, args.tp))
+        for world in worlds:
             report["runs"].append(launch(world, single_dir if world == 1 else model_dir, options, Path(tmp, f"world{world}.json")))
             args.out.write_text(json.dumps(report, indent=1))
     print()

@@ -39,9 +39,13 @@ def capture(model_name: str, dataset: str, data_file: str | None, seq_len: int, 
 
     layer_ids, rows = _int_list(layers), _int_list(positions)
     device = resolve_device(device)
-    if out.parent and not out.parent.is_dir():
-        raise ValueError(f"--out {out}: the directory {out.parent} does not exist")
+    if out.is_dir():
+        raise ValueError(f"--out {out} is a directory; give the file to write")
     corpus = load_corpus(dataset, data_file)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ValueError(f"--out {out} cannot be created: {err.strerror}") from None
     start = time.perf_counter()
     model, tokenizer = load_model(model_name, dtype=getattr(torch, dtype), device=device)
     ids = token_windows(corpus.text, tokenizer, seq_len, 1).to(device)
