@@ -140,9 +140,166 @@ SCALAR_ROWS: list[Row] = [
 ]
 
 
+# -- a decode row with an empty key range (start == seq_len): zeros on every backend, never NaN ------------
+
+# Rows [start, seq_len): a full row, an empty one, a left-trimmed one. 4 query heads on 2 KV heads.
+EMPTY_CASE = dict(B=3, Hq=4, Hkv=2, S=16, D=16, seq_lens=[12, 7, 10], starts=[0, 7, 3], first=2, last=2, tau=0.6)
+# Small tiles so that the interpreter has little to run (as tests/test_kernels.py's SMALL), and the radix select
+# over every key (the sampled bracket costs the interpreter half a minute).
+TRITON_SMALL = dict(block_n1=16, block_n2=16, block_a=32, scan_elems=0, min_split1=16, min_split2=16, quantile_block=32,
+                    block_nd=16, min_splitd=16, block_nb=16, block_n2_gqa=16, block_nb_gqa=32, quantile_parallel=False,
+                    interleave2=0, interleave2_runs=1, quantile_sample=0, quantile_sparse_from=0)
+EMPTY_OPS = ("sparse", "sparse renormalised", "sparse, power-law threshold", "anchored", "anchored renormalised",
+             "dense", "warmup", "warmup gap")
+TRITON_EXTRA_OPS = ("anchored one-pass", "warmup, scores-quantile-filter kernels", "sparse renormalised, combine kernel")
+
+
+def _empty_inputs() -> tuple[torch.Tensor, ...]:
+    c = EMPTY_CASE
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(c["B"], c["Hq"], c["D"], generator=g) * 2
+    k = torch.randn(c["B"], c["Hkv"], c["S"], c["D"], generator=g)
+    v = torch.randn(c["B"], c["Hkv"], c["S"], c["D"], generator=g)
+    return q, k, v, torch.tensor(c["seq_lens"], dtype=torch.int32), torch.tensor(c["starts"], dtype=torch.int32)
+
+
+def _float64_step(q, k, v, eta, gap_prev, renormalize, anchored):
+    """The decode step in float64, one (row, head) at a time over its valid keys (docs/design.md):
+    out, kept, theta, gap; an empty row gives zeros by the defined rule."""
+    c = EMPTY_CASE
+    B, Hq = q.shape[:2]
+    G = Hq // k.shape[1]
+    out = torch.zeros(B, Hq, q.shape[-1], dtype=torch.float64)
+    kept = torch.zeros(B, Hq, dtype=torch.int32)
+    theta = torch.zeros(B, Hq, dtype=torch.float64)
+    gap = torch.zeros(B, Hq, dtype=torch.float64)
+    for b in range(B):
+        lo, hi = c["starts"][b], c["seq_lens"][b]
+        if hi == lo:
+            continue
+        for h in range(Hq):
+            s = (k[b, h // G, lo:hi].double() @ q[b, h].double()) * c["D"] ** -0.5
+            p = torch.softmax(s, 0)
+            anchor = torch.zeros(hi - lo, dtype=torch.bool)
+            anchor[: c["first"]] = True
+            anchor[max(c["first"], hi - lo - c["last"]):] = True
+            gap[b, h] = torch.logsumexp(s, 0) - torch.logsumexp(s[anchor], 0)
+            threshold = float(eta[b, h]) * (math.exp(float(gap_prev[b, h]) - float(gap[b, h])) if anchored else 1.0)
+            keep = p > threshold
+            keep[int(p.argmax())] = True
+            w = torch.where(keep, p, 0.0)
+            out[b, h] = (w / w.sum() if renormalize else w) @ v[b, h // G, lo:hi].double()
+            kept[b, h] = int(keep.sum())
+            theta[b, h] = torch.quantile(p, c["tau"])
+    return out, kept, theta, gap
+
+
+def empty_range_results(backend: str) -> dict[str, dict]:
+    """Every decode step of one backend on ``EMPTY_CASE``: the empty row's largest magnitude and kept
+    count, whether anything is NaN, and the other rows' error against ``_float64_step``."""
+    from siftattention.kernels import DecodeKernels
+    from siftattention.kernels.plan import PowerLawThreshold
+
+    c = EMPTY_CASE
+    q, k, v, sl, st = _empty_inputs()
+    B, Hq = c["B"], c["Hq"]
+    g = torch.Generator().manual_seed(8)
+    eta = torch.rand(B, Hq, generator=g) * 0.2
+    log_alpha, beta = torch.log(eta * 4), torch.full((B, Hq), 0.5)  # eta = alpha * S^-beta at S = 16
+    power = PowerLawThreshold(log_alpha, beta, torch.full((B,), math.log(16.0)))
+    gap_prev = torch.rand(B, Hq, generator=g)
+
+    def plan(renormalize, **over):
+        config = None
+        if backend == "triton":
+            from siftattention.kernels.triton_decode import KernelConfig
+
+            config = KernelConfig(**{**TRITON_SMALL, **over})
+        return DecodeKernels.plan(batch=B, q_heads=Hq, kv_heads=c["Hkv"], max_len=c["S"], head_dim=c["D"], dtype=torch.float32,
+                                  device="cpu", scale=c["D"] ** -0.5, renormalize=renormalize, backend=backend, config=config)
+
+    def summary(name, out, kept=None, theta=None, gap=None, renormalize=False, anchored=False, threshold=eta):
+        want_out, want_kept, want_theta, want_gap = _float64_step(q, k, v, threshold, gap_prev, renormalize, anchored)
+        got = [t for t in (out, kept, theta, gap) if t is not None]
+        full = [0, 2]
+        res = dict(nan=any(bool(torch.isnan(t.double()).any()) for t in got),
+                   empty=max(float(t[1].double().abs().max()) for t in got),
+                   err=float((out[full].double() - want_out[full]).norm() / want_out[full].norm()))
+        if kept is not None:
+            res["kept_equal"] = bool(torch.equal(kept[full], want_kept[full]))
+        if theta is not None:
+            res["theta_err"] = float(((theta[full].double() - want_theta[full]) / want_theta[full]).abs().max())
+        if gap is not None:
+            res["gap_err"] = float((gap[full].double() - want_gap[full]).abs().max())
+        results[name] = res
+
+    results: dict[str, dict] = {}
+    kern, kern_r = plan(False), plan(True)
+    summary("sparse", *kern.sparse(q, k, v, eta, sl, st))
+    summary("sparse renormalised", *kern_r.sparse(q, k, v, eta, sl, st), renormalize=True)
+    summary("sparse, power-law threshold", *kern.sparse(q, k, v, power, sl, st), threshold=power.eta())
+    onepass = {"onepass": False} if backend == "triton" else {}
+    for name, kernels, renorm in (("anchored", kern, False), ("anchored renormalised", kern_r, True)):
+        gap = gap_prev.clone()
+        out, kept = kernels.sparse_anchored(q, k, v, power, gap, sl, st, c["first"], c["last"], **onepass)
+        summary(name, out, kept, gap=gap, renormalize=renorm, anchored=True, threshold=power.eta())
+    summary("dense", kern.dense(q, k, v, sl, st), threshold=torch.zeros(B, Hq))
+    out, theta = kern.warmup(q, k, v, c["tau"], sl, st)
+    summary("warmup", out, theta=theta, threshold=torch.zeros(B, Hq))
+    summary("warmup gap", out, gap=kern.warmup_gap(q, k, sl, st, c["first"], c["last"]), threshold=torch.zeros(B, Hq))
+    if backend == "triton":
+        gap = gap_prev.clone()
+        out, kept = kern.sparse_anchored(q, k, v, power, gap, sl, st, c["first"], c["last"], onepass=True)
+        summary("anchored one-pass", out, kept, gap=gap, anchored=True, threshold=power.eta())
+        out, theta = plan(False, warmup_dense=False).warmup(q, k, v, c["tau"], sl, st)
+        summary("warmup, scores-quantile-filter kernels", out, theta=theta, threshold=torch.zeros(B, Hq))
+        summary("sparse renormalised, combine kernel", *plan(True, fused_combine=False).sparse(q, k, v, eta, sl, st),
+                renormalize=True)
+    return results
+
+
+_EMPTY_RESULTS: dict[str, dict] = {}
+
+
+def _empty_results(backend: str) -> dict[str, dict]:
+    """``empty_range_results`` once per backend: Triton's in a subprocess under its CPU interpreter."""
+    if backend not in _EMPTY_RESULTS:
+        if backend == "triton":
+            pytest.importorskip("triton", reason="triton is not installed: its kernels cannot be checked")
+            from conftest import run_interpreted
+
+            _EMPTY_RESULTS[backend] = run_interpreted(__file__, "--empty-range", "triton")
+        else:
+            if backend == "cpu":
+                from siftattention.kernels import cpu_decode
+
+                if not cpu_decode.available():
+                    pytest.skip(f"the fused CPU kernel cannot be built here: {cpu_decode.build_problem()}")
+            _EMPTY_RESULTS[backend] = empty_range_results(backend)
+    return _EMPTY_RESULTS[backend]
+
+
+def empty_row(backend: str, op: str) -> Callable[[], str]:
+    def check() -> str:
+        res = _empty_results(backend)[op]
+        assert not res["nan"], res
+        assert res["empty"] == 0.0, res  # output, kept count, theta and gap all exactly 0
+        assert res["err"] < 1e-5 and res.get("kept_equal", True), res
+        assert res.get("theta_err", 0.0) < 1e-5 and res.get("gap_err", 0.0) < 1e-5, res
+        return "empty row: zeros (kept 0, theta 0, gap 0), no NaN; other rows = float64 reference"
+
+    return check
+
+
+EMPTY_RANGE_ROWS: list[Row] = [
+    Checked(f"{backend}: {op} with seq_lens == starts", empty_row(backend, op))
+    for backend in ("torch", "cpu", "triton") for op in EMPTY_OPS + (TRITON_EXTRA_OPS if backend == "triton" else ())
+]
+
+
 # -- the table ------------------------------------------------------------------------------------------------
 
-ROWS: list[Row] = [*SCALAR_ROWS]
+ROWS: list[Row] = [*SCALAR_ROWS, *EMPTY_RANGE_ROWS]
 
 
 def run_row(row: Row) -> str:
@@ -189,5 +346,9 @@ def markdown_table() -> str:
     return "\n".join(lines)
 
 
-if __name__ == "__main__":
+if __name__ == "__main__" and "--empty-range" in sys.argv:  # the Triton rows' subprocess
+    import json
+
+    print(json.dumps(empty_range_results(sys.argv[sys.argv.index("--empty-range") + 1])))
+elif __name__ == "__main__":
     print(markdown_table())
