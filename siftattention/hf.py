@@ -170,10 +170,13 @@ class SiftHandle:
         self.last_batch = 0
         #: Set by ``siftattention.generation`` around its loop: the valid key range and step of every decode call.
         self.context: Any = None
+        #: Tokens of the prompt of the generation under way (padding included), set by either loop; None: unknown.
+        self.prompt_len: int | None = None
         self.stats = SiftStats(self)
         self._layer_ids: dict[int, int] = {}
         self._batch: dict[int, int] = {}
         self._decoded: dict[int, int] = {}  # decode steps per layer since the prefill (host-side)
+        self._fed: dict[int, int] = {}  # tokens per layer since the sequences started (host-side)
         self._range_ok: dict[int, bool] = {}  # valid keys of every row form one contiguous range
         self._causal_mask: tuple[weakref.ref, bool] | None = None  # the last prompt mask checked, and its verdict
         self._plans: dict[tuple, Any] = {}
@@ -214,10 +217,12 @@ class SiftHandle:
         def generate(*args: Any, **kwargs: Any) -> Any:
             self.reset()
             self.decoding = True
+            self.prompt_len = _prompt_length(args, kwargs)
             try:
                 return original(*args, **kwargs)
             finally:
                 self.decoding = False
+                self.prompt_len = None
 
         self.model.generate = generate  # type: ignore[method-assign]
         setattr(self.model, _HANDLE_ATTR, self)
@@ -248,6 +253,7 @@ class SiftHandle:
         self.states.clear()
         self.records.clear()
         self._decoded.clear()
+        self._fed.clear()
         self._range_ok.clear()
 
     # -- the attention function ---------------------------------------------------------
@@ -273,14 +279,17 @@ class SiftHandle:
         B, Hq, Q, D = query.shape
         scaling = D**-0.5 if scaling is None else scaling
         decoding = self.decoding or self.context is not None
-        # The fast loop says when its prompt is being written (a last prompt chunk may be one token).
-        in_prompt = self.context.prefilling if self.context is not None else Q > 1
+        layer = self._layer_index(module)
+        if key.shape[2] == Q:  # no past keys: the sequences start here
+            self._fed[layer] = 0
+        fed = self._fed.get(layer, 0)
+        self._fed[layer] = fed + Q
+        in_prompt = is_prompt(fed, Q, self.prompt_len)
         self.last_batch = B
         if self.method.always_exact and not (self.context is not None and not in_prompt):
             if self._causal_chunk(attention_mask, query, key, dropout, kwargs):
                 return exact_attention(query, key, value, attention_mask, scaling=scaling, causal=True).transpose(1, 2).contiguous(), None
             return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
-        layer = self._layer_index(module)
         if key.shape[2] == Q or layer not in self.records or self._batch.get(layer) != B:
             # No past keys: a new batch of sequences starts in this layer.
             self.states[layer] = self.method.new_state(B, Hq, query.device, layer=layer)
@@ -432,6 +441,28 @@ def _model_attention(model: PreTrainedModel) -> Any:
         fn.owner = owner
         model.__dict__["_siftattention_attention"] = fn
     return fn
+
+
+def is_prompt(fed: int, queries: int, prompt_len: int | None) -> bool:
+    """Whether a decode-mode forward of ``queries`` tokens, after ``fed`` tokens of the same sequences,
+    belongs to the prompt (prefilled exactly, never a recorded step); both generation loops ask this.
+
+    The first ``prompt_len`` tokens are the prompt, however they are chunked, so a one-token prompt is
+    a prompt too; every later one-token forward is a decode step. A forward of several tokens after the
+    prompt (assisted decoding's check of a draft) is computed as prompt rows. Where the prompt's length
+    is unknown, the first forward is the prompt.
+    """
+    if queries > 1:
+        return True
+    return fed == 0 if prompt_len is None else fed < prompt_len
+
+
+def _prompt_length(args: tuple, kwargs: dict) -> int | None:
+    """The prompt length of a ``generate(...)`` call: its ``input_ids`` (``inputs``) or ``inputs_embeds``."""
+    for ids in (kwargs.get("input_ids"), kwargs.get("inputs"), args[0] if args else None, kwargs.get("inputs_embeds")):
+        if isinstance(ids, torch.Tensor) and ids.dim() >= 2:
+            return int(ids.shape[1])
+    return None
 
 
 def plan_capacity(length: int) -> int:

@@ -297,9 +297,74 @@ EMPTY_RANGE_ROWS: list[Row] = [
 ]
 
 
+# -- generation: which tokens are the prompt and which are decode steps, on both paths ----------------------
+
+NEW = 10
+
+
+def _tiny() -> torch.nn.Module:
+    model = tiny_llama()
+    with torch.no_grad():  # the pad token's row starts at zero: a generated pad would attend uniformly
+        model.get_input_embeddings().weight[0].normal_()
+    return model
+
+
+def _prompt(lengths: list[int], seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded prompts of these real lengths (ids, mask)."""
+    width = max(lengths)
+    ids = torch.randint(3, 96, (len(lengths), width), generator=torch.Generator().manual_seed(seed))
+    mask = (torch.arange(width)[None, :] >= width - torch.tensor(lengths)[:, None]).long()
+    return ids.masked_fill(mask == 0, 0), mask
+
+
+def prompt_paths(lengths: list[int], warmup_source: str = "decode") -> Callable[[], str]:
+    """The fast loop and transformers' generate under ``apply`` on prompts of these lengths: the same
+    tokens and the same Sift statistics, and the recorded steps the closed form docs/design.md gives
+    (decode warmup: steps P+1..P+w of a P-token row; prefill warmup: its last min(w, P) prompt rows)."""
+
+    def check() -> str:
+        model, method = _tiny(), Sift(tau=0.75, warmup=4, warmup_source=warmup_source)
+        ids, mask = _prompt(lengths, seed=len(lengths) * 10 + max(lengths))
+        fast = siftattention.generate(model, ids, mask, method, max_new_tokens=NEW, eos_token_id=-1, pad_token_id=0)
+        with siftattention.apply(model, method) as handle, torch.no_grad():
+            ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, eos_token_id=None,
+                                 pad_token_id=0)
+        assert fast.fast and torch.equal(ref, fast.sequences)
+        w = method.warmup
+        real = torch.tensor(lengths, dtype=torch.float32)[:, None]
+        for layer in handle.stats.layers:
+            a, b = handle.stats.state(layer), fast.stats.state(layer)
+            assert torch.equal(a.count, b.count) and torch.equal(a.fitted, b.fitted) and torch.equal(a.theta_steps, b.theta_steps)
+            assert torch.allclose(a.thetas, b.thetas, rtol=1e-5, atol=0)
+            assert torch.allclose(a.beta, b.beta, rtol=1e-4, atol=1e-5)
+            if warmup_source == "decode":
+                assert torch.equal(a.theta_steps, real + torch.arange(1, w + 1)), a.theta_steps  # S = P+1..P+w
+            else:
+                n = real.clamp(max=w)
+                assert torch.equal(a.count, n[:, 0].long())
+                steps = real - n + torch.arange(1, w + 1)  # the last min(w, P) prompt rows, then unused slots
+                assert torch.equal(torch.where(torch.arange(w) < n, a.theta_steps, 0), torch.where(torch.arange(w) < n, steps, 0))
+                assert torch.equal(a.fitted, n[:, 0] >= 2)  # a one-token prompt gives no fit
+        assert handle.stats.step_count() == fast.stats.step_count() == len(lengths) * (NEW - 1)
+        assert handle.stats.realized_sparsity() == pytest.approx(fast.stats.realized_sparsity(), abs=1e-9)
+        return "both paths: same tokens, steps, thetas and fit (closed-form steps)"
+
+    return check
+
+
+PROMPT_ROWS: list[Row] = [
+    Checked("1-token prompt: fast loop vs generate under apply", prompt_paths([1])),
+    Checked("2-token prompt: fast loop vs generate under apply", prompt_paths([2])),
+    Checked("3-token prompt: fast loop vs generate under apply", prompt_paths([3])),
+    Checked("left-padded prompts of 1, 2, 3 tokens: both paths", prompt_paths([1, 2, 3])),
+    Checked("1-token prompt, warmup_source='prefill': both paths", prompt_paths([1], "prefill")),
+    Checked("2-token prompt, warmup_source='prefill': both paths", prompt_paths([2], "prefill")),
+]
+
+
 # -- the table ------------------------------------------------------------------------------------------------
 
-ROWS: list[Row] = [*SCALAR_ROWS, *EMPTY_RANGE_ROWS]
+ROWS: list[Row] = [*SCALAR_ROWS, *EMPTY_RANGE_ROWS, *PROMPT_ROWS]
 
 
 def run_row(row: Row) -> str:

@@ -59,7 +59,6 @@ class DecodeContext:
     def __init__(self, starts: torch.Tensor, prompt_len: int) -> None:
         device = starts.device
         self.step = 0  # host index of the decode step being run or captured (selects the method phase)
-        self.prefilling = True  # the prompt is being written (its chunks are exact attention, not decode steps)
         self.starts = starts.int()  # [B] first real token of each row (left padding)
         self.seq_lens = torch.full_like(self.starts, prompt_len + 1)  # keys visible to the token being decoded
         self.write_pos = torch.full((1,), prompt_len, dtype=torch.long, device=device)
@@ -225,7 +224,6 @@ class _Loop:
             if "cache_position" in self.accepts:
                 kwargs["cache_position"] = torch.arange(a, b, device=self.device)
             logits = self.model(input_ids=input_ids[:, a:b], **kwargs).logits[:, -1]
-        self.ctx.prefilling = False
         self.positions.copy_(positions[:, -1] + 1)
         self._emit(logits, torch.zeros(1, dtype=torch.long, device=self.device))
         self.cache.position.tensor = self.ctx.write_pos
@@ -368,6 +366,7 @@ def generate(
         handle.reset()
         loop = _Loop(model, handle, input_ids, mask, max_new_tokens, sampler, _eos_tensor(eos_token_id, input_ids.device), pad_token_id, use_graphs, output_scores, compile)
         handle.context = loop.ctx
+        handle.prompt_len = loop.P  # the prompt's chunks are exact attention, every later token a decode step
         with torch.inference_mode():
             sync = torch.cuda.synchronize if input_ids.is_cuda else (lambda: None)
             start = time.perf_counter()
@@ -386,6 +385,7 @@ def generate(
             decode_s = time.perf_counter() - start - prefill_s
     finally:
         handle.context = None
+        handle.prompt_len = None
         handle.remove()
     num = torch.minimum(loop.finished_at + 1, torch.full_like(loop.finished_at, max_new_tokens))
     # Steps after every row had finished are not part of the result (transformers stops there too).
