@@ -225,6 +225,7 @@ class SiftHandle:
                 self.prompt_len = None
 
         self.model.generate = generate  # type: ignore[method-assign]
+        self.model.__dict__["_reorder_cache"] = self._reorder_hook(getattr(self.model, "_reorder_cache", None))
         setattr(self.model, _HANDLE_ATTR, self)
         self._installed = True
 
@@ -238,6 +239,7 @@ class SiftHandle:
             return
         self.model.set_attn_implementation(self._previous)
         self.model.__dict__.pop("generate", None)
+        self.model.__dict__.pop("_reorder_cache", None)
         self.model.__dict__.pop(_HANDLE_ATTR, None)
         self._unregister()
         self._installed = False
@@ -247,6 +249,33 @@ class SiftHandle:
 
     def __exit__(self, *exc: object) -> None:
         self.remove()
+
+    def _reorder_hook(self, model_reorder: Any) -> Any:
+        """The model's ``_reorder_cache``, which transformers' beam search calls after every step with
+        ``beam_idx`` (new sequence i continues sequence ``beam_idx[i]``): the cache is reordered as
+        transformers would (the model class's own hook, else the cache's ``reorder_cache``), and the
+        method's per-sequence state and records with it, so each beam keeps its own statistics."""
+
+        def reorder_cache(cache: Any, beam_idx: torch.Tensor) -> Any:
+            if model_reorder is not None:
+                cache = model_reorder(cache, beam_idx)
+            elif hasattr(cache, "reorder_cache"):
+                cache.reorder_cache(beam_idx)
+            else:
+                raise ValueError(f"{type(self.model).__name__} cannot use beam search with a cache currently, "
+                                 "as the cache cannot be reordered")
+            self.reorder(beam_idx)
+            return cache
+
+        return reorder_cache
+
+    def reorder(self, index: torch.Tensor) -> None:
+        """Reorder the sequences: new sequence i continues sequence ``index[i]`` (beam search), its
+        state and its recorded rows alike."""
+        for layer, state in self.states.items():
+            self.states[layer] = self.method.reorder_state(state, index)
+        for record in self.records.values():
+            record.reorder(index)
 
     def reset(self) -> None:
         """Forget all per-sequence state and records (a new batch of sequences starts)."""

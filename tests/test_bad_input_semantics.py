@@ -362,9 +362,49 @@ PROMPT_ROWS: list[Row] = [
 ]
 
 
+# -- beam search: the method's state follows the cache's reorder -------------------------------------------
+
+
+def beam_search(method: Any, beams: int, decode_backend: str | None = "auto") -> Callable[[], str]:
+    """Beam search under ``apply``: each returned beam's score (length_penalty 0: its summed log
+    probabilities) equals the score of the same tokens forced through a single-sequence generation,
+    which has no beams to reorder. A method state left in the slot of another beam changes them."""
+
+    def check() -> str:
+        model = _tiny()
+        P = 5
+        ids = torch.randint(3, 96, (1, P), generator=torch.Generator().manual_seed(3))
+        common = dict(max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, pad_token_id=0)
+        with siftattention.apply(model, method, decode_backend=decode_backend), torch.no_grad():
+            out = model.generate(input_ids=ids, num_beams=beams, num_return_sequences=beams, length_penalty=0.0,
+                                 early_stopping=True, output_scores=True, return_dict_in_generate=True, **common)
+        for seq, score in zip(out.sequences, out.sequences_scores):
+            with siftattention.apply(model, method, decode_backend=decode_backend), torch.no_grad():
+                one = model.generate(input_ids=seq[None, :P], output_logits=True, return_dict_in_generate=True,
+                                     prefix_allowed_tokens_fn=lambda _, x, seq=seq: [int(seq[x.shape[0]])], **common)
+            assert torch.equal(one.sequences[0], seq)
+            logp = sum(float(torch.log_softmax(step[0].double(), -1)[seq[P + t]]) for t, step in enumerate(one.logits))
+            assert logp == pytest.approx(float(score), abs=1e-4), (logp, float(score))
+        return f"{beams} beams: every beam's score = its tokens replayed as one sequence"
+
+    return check
+
+
+BEAM_ROWS: list[Row] = [
+    Checked("Sift, num_beams=2", beam_search(Sift(tau=0.75, warmup=4), 2)),
+    Checked("Sift, num_beams=3", beam_search(Sift(tau=0.75, warmup=4), 3)),
+    Checked("Sift renormalised, num_beams=2, decode_backend=None (row-wise select)",
+            beam_search(Sift(tau=0.9, warmup=4, renormalize=True), 2, decode_backend=None)),
+    Checked("Sift anchored, num_beams=2", beam_search(Sift(tau=0.75, warmup=4, normalizer="anchored", anchor_first=2,
+                                                           anchor_last=4), 2)),
+    Checked("H2O, num_beams=2", beam_search(H2O(k=0.25), 2)),
+    Checked("TopK (no state), num_beams=3", beam_search(TopK(k=0.25), 3)),
+]
+
+
 # -- the table ------------------------------------------------------------------------------------------------
 
-ROWS: list[Row] = [*SCALAR_ROWS, *EMPTY_RANGE_ROWS, *PROMPT_ROWS]
+ROWS: list[Row] = [*SCALAR_ROWS, *EMPTY_RANGE_ROWS, *PROMPT_ROWS, *BEAM_ROWS]
 
 
 def run_row(row: Row) -> str:

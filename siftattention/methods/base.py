@@ -172,6 +172,14 @@ def check_bool(name: str, value: object) -> bool:
     return item
 
 
+def select_sequences(state: Any, index: torch.Tensor) -> Any:
+    """A dataclass state whose tensors all have one row per sequence, with rows ``index`` ([B] int64) taken."""
+    from dataclasses import fields, replace
+
+    return replace(state, **{f.name: getattr(state, f.name).index_select(0, index.to(getattr(state, f.name).device))
+                             for f in fields(state)})
+
+
 def keep_row_max(probs: torch.Tensor, keep: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """Add each row's largest probability (one key: the first argmax) so no row goes empty."""
     top = torch.zeros_like(keep).scatter_(-1, probs.argmax(dim=-1, keepdim=True), True)
@@ -230,6 +238,14 @@ class Method:
         No host synchronisation and no shape that depends on tensor values.
         """
         raise NotImplementedError(f"{self.name} has no decode step")
+
+    def reorder_state(self, state: Any, index: torch.Tensor) -> Any:
+        """The state with its sequences reordered: new sequence i continues sequence ``index[i]``
+        (transformers' beam search, after every step). A method without state needs nothing; one whose
+        state holds per-sequence tensors says how to select them (``select_sequences``)."""
+        if state is None:
+            return None
+        raise NotImplementedError(f"{self.name} does not say how to reorder its per-sequence state, so it cannot follow beam search")
 
     def end_decode_phase(self, phase: str, states: list[Any]) -> None:
         """Called once the last step of decode phase ``phase`` has run in every layer, with those layers' states.

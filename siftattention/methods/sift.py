@@ -23,7 +23,8 @@ import torch
 from ..kernels.plan import PowerLawThreshold
 from ..kernels.torch_ref import anchor_mask
 from ..powerlaw import fit_power_law, masked_quantile, predict_log
-from .base import DecodeOutput, KeyRange, Method, Rows, Selection, check_bool, check_fraction, check_int, keep_row_max
+from .base import (DecodeOutput, KeyRange, Method, Rows, Selection, check_bool, check_fraction, check_int, keep_row_max,
+                   select_sequences)
 
 
 @dataclass
@@ -72,6 +73,9 @@ class Sift(Method):
         self.anchor_last = check_int("anchor_last", self.anchor_last, 0)
         if self.anchor_first + self.anchor_last == 0:
             raise ValueError("anchor_first + anchor_last must be at least 1")
+
+    def reorder_state(self, state: SiftState, index: torch.Tensor) -> SiftState:
+        return select_sequences(state, index)  # every field has one row per sequence
 
     @property
     def anchored(self) -> bool:

@@ -192,6 +192,9 @@ class TopTheta(Method):
                 f"asked for layer {layer} with {heads} heads")
         return TopThetaState(self.thresholds[layer].to(device))
 
+    def reorder_state(self, state: TopThetaState, index: torch.Tensor) -> TopThetaState:
+        return state  # the thresholds belong to the model, not to a sequence
+
     def select(self, rows: Rows, state: TopThetaState) -> Selection:
         theta = _lookup(state.thresholds, rows.steps).permute(0, 2, 1)[..., None]  # [B, H, R, 1]
         keep = (rows.scores > theta) | theta.isnan()
