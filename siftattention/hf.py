@@ -34,6 +34,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from .attention import LayerRecord, exact_attention, is_causal_block, method_attention, valid_keys
 from .kernels.plan import BACKENDS
 from .methods.base import KeyRange, Method
+from .models import warn_beyond_positions
 from .parallel import gather_heads, tensor_parallel_group
 
 _HANDLE_ATTR = "_siftattention_handle"
@@ -218,6 +219,10 @@ class SiftHandle:
             self.reset()
             self.decoding = True
             self.prompt_len = _prompt_length(args, kwargs)
+            if self.prompt_len is not None:
+                new = _new_tokens(self.model, self.prompt_len, kwargs)
+                warn_beyond_positions(self.model, self.prompt_len + max(new or 1, 1) - 1,
+                                      f"a prompt of {self.prompt_len} tokens" + (f" and {new} new tokens" if new else ""))
             try:
                 return original(*args, **kwargs)
             finally:
@@ -492,6 +497,17 @@ def _prompt_length(args: tuple, kwargs: dict) -> int | None:
         if isinstance(ids, torch.Tensor) and ids.dim() >= 2:
             return int(ids.shape[1])
     return None
+
+
+def _new_tokens(model: PreTrainedModel, prompt_len: int, kwargs: dict) -> int | None:
+    """The most tokens a ``generate(...)`` call asks for: ``max_new_tokens`` (of the call, else of its
+    generation config), else the call's ``max_length`` less the prompt; None where neither is set
+    (transformers' default then stops at the model's positions)."""
+    config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    new = kwargs.get("max_new_tokens", getattr(config, "max_new_tokens", None))
+    if new is None and kwargs.get("max_length") is not None:
+        new = kwargs["max_length"] - prompt_len
+    return None if new is None else int(new)
 
 
 def plan_capacity(length: int) -> int:

@@ -402,9 +402,70 @@ BEAM_ROWS: list[Row] = [
 ]
 
 
+# -- generation lengths: positions beyond the model's warn, max_new_tokens as any integer -----------------
+
+
+def _positions_model() -> torch.nn.Module:
+    model = _tiny()
+    model.config.max_position_embeddings = 16
+    return model
+
+
+def _apply_generate(**kwargs: Any) -> Callable[[], Any]:
+    def call() -> Any:
+        model = _positions_model()
+        ids, mask = _prompt([12])
+        with siftattention.apply(model, Sift(tau=0.75, warmup=4)), torch.no_grad():
+            return model.generate(input_ids=ids, attention_mask=mask, do_sample=False, pad_token_id=0, **kwargs)
+
+    return call
+
+
+def _within_positions() -> str:
+    """12 + 5 tokens run the model at 16 positions: no warning (transformers' limit, as transformers counts);
+    nor with transformers' default length, which stops at the model's positions."""
+    ids, mask = _prompt([12])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        siftattention.generate(_positions_model(), ids, mask, Sift(tau=0.75, warmup=2), max_new_tokens=5, eos_token_id=-1)
+        _apply_generate(max_new_tokens=5)()
+        assert _apply_generate()().shape[1] == 16
+    assert not [w for w in caught if "max_position_embeddings" in str(w.message)], [str(w.message) for w in caught]
+    return "no warning at the model's positions"
+
+
+def _numpy_max_new_tokens() -> str:
+    ids, mask = _prompt([3, 2])
+    a = siftattention.generate(_tiny(), ids, mask, Sift(tau=0.75, warmup=2), max_new_tokens=np.int64(5), eos_token_id=-1)
+    b = siftattention.generate(_tiny(), ids, mask, Sift(tau=0.75, warmup=2), max_new_tokens=5, eos_token_id=-1)
+    assert torch.equal(a.sequences, b.sequences) and a.new_tokens.shape[1] == 5
+    return "the same tokens as max_new_tokens=5"
+
+
+POSITION_ROWS: list[Row] = [
+    Warned("siftattention.generate: 12-token prompt + 8 new tokens, 16 positions",
+           lambda: siftattention.generate(_positions_model(), *_prompt([12]), Sift(tau=0.75, warmup=4), max_new_tokens=8,
+                                          eos_token_id=-1),
+           UserWarning, "a prompt of 12 tokens and 8 new tokens: 19 positions, more than the model's 16 (max_position_embeddings)"),
+    Warned("reference_generate: 12-token prompt + 8 new tokens, 16 positions",
+           lambda: siftattention.generation.reference_generate(_positions_model(), *_prompt([12]), TopK(k=0.5),
+                                                               max_new_tokens=8, eos_token_id=None),
+           UserWarning, "a prompt of 12 tokens and 8 new tokens: 19 positions, more than the model's 16"),
+    Warned("apply + model.generate(max_new_tokens=8): 12-token prompt, 16 positions", _apply_generate(max_new_tokens=8),
+           UserWarning, "a prompt of 12 tokens and 8 new tokens: 19 positions, more than the model's 16"),
+    Warned("apply + model.generate(max_length=20): 12-token prompt, 16 positions", _apply_generate(max_length=20),
+           UserWarning, "a prompt of 12 tokens and 8 new tokens: 19 positions, more than the model's 16"),
+    Checked("generate: 12-token prompt + 5 new tokens (or the default length), 16 positions", _within_positions),
+    Checked("generate(max_new_tokens=np.int64(5))", _numpy_max_new_tokens),
+    Refused("generate(max_new_tokens=5.0)",
+            lambda: siftattention.generate(_tiny(), *_prompt([3]), Full(), max_new_tokens=5.0), ValueError,
+            "max_new_tokens must be an integer >= 1, got 5.0"),
+]
+
+
 # -- the table ------------------------------------------------------------------------------------------------
 
-ROWS: list[Row] = [*SCALAR_ROWS, *EMPTY_RANGE_ROWS, *PROMPT_ROWS, *BEAM_ROWS]
+ROWS: list[Row] = [*SCALAR_ROWS, *EMPTY_RANGE_ROWS, *PROMPT_ROWS, *BEAM_ROWS, *POSITION_ROWS]
 
 
 def run_row(row: Row) -> str:

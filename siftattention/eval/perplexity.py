@@ -10,6 +10,7 @@ import torch
 
 from ..hf import apply
 from ..methods import Method
+from ..models import warn_beyond_positions
 
 
 @dataclass
@@ -52,6 +53,7 @@ def evaluate_perplexity(
     so every method's post-warmup figures cover the same tokens; they are NaN when the
     windows have no step after W. Returns (results, W).
     """
+    warn_beyond_positions(model, windows.shape[-1], f"windows of {windows.shape[-1]} tokens")
     warm = post_warmup_from([m for _, m in methods])
     results = []
     for spec, method in methods:

@@ -125,11 +125,13 @@ def real_scalar(value: object) -> int | float | None:
 
 def describe(value: object) -> str:
     """A bad parameter value in one short line: its repr, or an array's or tensor's type and shape."""
+    kind = type(value).__name__
+    kind = ("an " if kind[:1].lower() in "aeiou" else "a ") + kind
     shape = getattr(value, "shape", None)
     if shape is not None and not isinstance(value, (str, bytes)) and tuple(shape) != ():
-        return f"a {type(value).__name__} of shape {tuple(shape)}"
+        return f"{kind} of shape {tuple(shape)}"
     text = repr(value)
-    return text if len(text) <= 80 and "\n" not in text else f"a {type(value).__name__}"
+    return text if len(text) <= 80 and "\n" not in text else kind
 
 
 def check_fraction(name: str, value: object, *, low_open: bool = True, high_open: bool = True) -> float:
