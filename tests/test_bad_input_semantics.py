@@ -463,9 +463,65 @@ POSITION_ROWS: list[Row] = [
 ]
 
 
+# -- a warmup that leaves no approximated row: refused before any forward pass ---------------------------
+
+
+def _ppl(seq_len: int, specs: list[str], model: Callable[[], torch.nn.Module] = _tiny) -> Callable[[], Any]:
+    """``evaluate_perplexity`` on windows of ``seq_len`` tokens; a refusal must come before the model runs."""
+
+    def call() -> Any:
+        from siftattention import parse_method
+        from siftattention.eval.perplexity import evaluate_perplexity
+
+        net, calls = model(), []
+        forward = net.forward
+        net.forward = lambda *a, **kw: calls.append(1) or forward(*a, **kw)
+        windows = torch.randint(3, 96, (2, seq_len), generator=torch.Generator().manual_seed(seq_len))
+        try:
+            return evaluate_perplexity(net, windows, [(s, parse_method(s)) for s in specs])
+        except ValueError:
+            assert not calls, "refused after the model ran"
+            raise
+
+    return call
+
+
+def _ppl_post_warmup(seq_len: int, spec: str) -> Callable[[], str]:
+    def check() -> str:
+        (full, method), warm = _ppl(seq_len, ["full", spec])()
+        assert method.tokens_post_warmup == 2 * (seq_len - 1 - warm) >= 2 and math.isfinite(method.ppl_post_warmup)
+        assert 0 < method.realized_sparsity_post_warmup <= 1 and full.realized_sparsity_post_warmup == 0
+        return f"accepted: {method.tokens_post_warmup} scored tokens after the warmup, finite ppl and sparsity"
+
+    return check
+
+
+WARMUP_ROWS: list[Row] = [
+    Refused("evaluate_perplexity: sift:tau=0.875,warmup=64, windows of 32 tokens",
+            _ppl(32, ["sift:tau=0.875,warmup=64"]), ValueError,
+            "sift:tau=0.875,warmup=64: a warmup of 64 steps leaves no approximated row in a window of 32 tokens"),
+    Refused("evaluate_perplexity: sift:warmup=32, windows of 32 tokens", _ppl(32, ["full", "sift:warmup=32"]), ValueError,
+            "sift:warmup=32: a warmup of 32 steps leaves no approximated row in a window of 32 tokens"),
+    Refused("evaluate_perplexity: sift:warmup=31, windows of 32 tokens (no scored row after it)",
+            _ppl(32, ["full", "topk:k=0.5", "sift:warmup=31"]), ValueError, "use a sequence length of at least 33"),
+    Checked("evaluate_perplexity: sift:warmup=30, windows of 32 tokens", _ppl_post_warmup(32, "sift:warmup=30")),
+    Checked("evaluate_perplexity: sift:warmup=2, windows of 4 tokens", _ppl_post_warmup(4, "sift:warmup=2")),
+    Refused("check_windows (no model): sift:tau=0.875,warmup=64 at seq_len 32",
+            lambda: __import__("siftattention.eval.perplexity").eval.perplexity.check_windows(
+                [("sift:tau=0.875,warmup=64", Sift(tau=0.875, warmup=64))], 32),
+            ValueError, "leaves no approximated row in a window of 32 tokens"),
+    Refused("parse_warmups('64,128', seq_len=100) (sift analyze)",
+            lambda: __import__("siftattention.eval.analysis").eval.analysis.parse_warmups("64,128", 100), ValueError,
+            "warmup 128 is longer than the sequence length 100"),
+    Warned("evaluate_perplexity: windows of 20 tokens, 16 positions",
+           _ppl(20, ["full"], _positions_model), UserWarning,
+           "windows of 20 tokens: 20 positions, more than the model's 16 (max_position_embeddings)"),
+]
+
+
 # -- the table ------------------------------------------------------------------------------------------------
 
-ROWS: list[Row] = [*SCALAR_ROWS, *EMPTY_RANGE_ROWS, *PROMPT_ROWS, *BEAM_ROWS, *POSITION_ROWS]
+ROWS: list[Row] = [*SCALAR_ROWS, *EMPTY_RANGE_ROWS, *PROMPT_ROWS, *BEAM_ROWS, *POSITION_ROWS, *WARMUP_ROWS]
 
 
 def run_row(row: Row) -> str:
