@@ -37,6 +37,15 @@ class LayerRecord:
         self.kept.append(kept.detach().int())
         self.approx.append(approx.detach())
 
+    def reorder(self, index: torch.Tensor) -> None:
+        """Reorder the sequences (beam search): row i's record becomes sequence ``index[i]``'s so far."""
+        if not self.steps:
+            return
+        index = index.to(self.steps[0].device)
+        self.steps = [torch.cat(self.steps, dim=1).index_select(0, index)]
+        self.kept = [torch.cat(self.kept, dim=2).index_select(0, index)]
+        self.approx = [torch.cat(self.approx, dim=1).index_select(0, index)]
+
 
 class StepRecord:
     """One layer's record in a ``StepLog``: ``add`` keeps the step's tensors for the log's ``flush``."""

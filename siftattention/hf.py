@@ -34,6 +34,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from .attention import LayerRecord, exact_attention, is_causal_block, method_attention, valid_keys
 from .kernels.plan import BACKENDS
 from .methods.base import KeyRange, Method
+from .models import warn_beyond_positions
 from .parallel import gather_heads, tensor_parallel_group
 
 _HANDLE_ATTR = "_siftattention_handle"
@@ -170,10 +171,13 @@ class SiftHandle:
         self.last_batch = 0
         #: Set by ``siftattention.generation`` around its loop: the valid key range and step of every decode call.
         self.context: Any = None
+        #: Tokens of the prompt of the generation under way (padding included), set by either loop; None: unknown.
+        self.prompt_len: int | None = None
         self.stats = SiftStats(self)
         self._layer_ids: dict[int, int] = {}
         self._batch: dict[int, int] = {}
         self._decoded: dict[int, int] = {}  # decode steps per layer since the prefill (host-side)
+        self._fed: dict[int, int] = {}  # tokens per layer since the sequences started (host-side)
         self._range_ok: dict[int, bool] = {}  # valid keys of every row form one contiguous range
         self._causal_mask: tuple[weakref.ref, bool] | None = None  # the last prompt mask checked, and its verdict
         self._plans: dict[tuple, Any] = {}
@@ -214,12 +218,19 @@ class SiftHandle:
         def generate(*args: Any, **kwargs: Any) -> Any:
             self.reset()
             self.decoding = True
+            self.prompt_len = _prompt_length(args, kwargs)
+            if self.prompt_len is not None:
+                new = _new_tokens(self.model, self.prompt_len, kwargs)
+                warn_beyond_positions(self.model, self.prompt_len + max(new or 1, 1) - 1,
+                                      f"a prompt of {self.prompt_len} tokens" + (f" and {new} new tokens" if new else ""))
             try:
                 return original(*args, **kwargs)
             finally:
                 self.decoding = False
+                self.prompt_len = None
 
         self.model.generate = generate  # type: ignore[method-assign]
+        self.model.__dict__["_reorder_cache"] = self._reorder_hook(getattr(self.model, "_reorder_cache", None))
         setattr(self.model, _HANDLE_ATTR, self)
         self._installed = True
 
@@ -233,6 +244,7 @@ class SiftHandle:
             return
         self.model.set_attn_implementation(self._previous)
         self.model.__dict__.pop("generate", None)
+        self.model.__dict__.pop("_reorder_cache", None)
         self.model.__dict__.pop(_HANDLE_ATTR, None)
         self._unregister()
         self._installed = False
@@ -243,11 +255,39 @@ class SiftHandle:
     def __exit__(self, *exc: object) -> None:
         self.remove()
 
+    def _reorder_hook(self, model_reorder: Any) -> Any:
+        """The model's ``_reorder_cache``, which transformers' beam search calls after every step with
+        ``beam_idx`` (new sequence i continues sequence ``beam_idx[i]``): the cache is reordered as
+        transformers would (the model class's own hook, else the cache's ``reorder_cache``), and the
+        method's per-sequence state and records with it, so each beam keeps its own statistics."""
+
+        def reorder_cache(cache: Any, beam_idx: torch.Tensor) -> Any:
+            if model_reorder is not None:
+                cache = model_reorder(cache, beam_idx)
+            elif hasattr(cache, "reorder_cache"):
+                cache.reorder_cache(beam_idx)
+            else:
+                raise ValueError(f"{type(self.model).__name__} cannot use beam search with a cache currently, "
+                                 "as the cache cannot be reordered")
+            self.reorder(beam_idx)
+            return cache
+
+        return reorder_cache
+
+    def reorder(self, index: torch.Tensor) -> None:
+        """Reorder the sequences: new sequence i continues sequence ``index[i]`` (beam search), its
+        state and its recorded rows alike."""
+        for layer, state in self.states.items():
+            self.states[layer] = self.method.reorder_state(state, index)
+        for record in self.records.values():
+            record.reorder(index)
+
     def reset(self) -> None:
         """Forget all per-sequence state and records (a new batch of sequences starts)."""
         self.states.clear()
         self.records.clear()
         self._decoded.clear()
+        self._fed.clear()
         self._range_ok.clear()
 
     # -- the attention function ---------------------------------------------------------
@@ -273,14 +313,17 @@ class SiftHandle:
         B, Hq, Q, D = query.shape
         scaling = D**-0.5 if scaling is None else scaling
         decoding = self.decoding or self.context is not None
-        # The fast loop says when its prompt is being written (a last prompt chunk may be one token).
-        in_prompt = self.context.prefilling if self.context is not None else Q > 1
+        layer = self._layer_index(module)
+        if key.shape[2] == Q:  # no past keys: the sequences start here
+            self._fed[layer] = 0
+        fed = self._fed.get(layer, 0)
+        self._fed[layer] = fed + Q
+        in_prompt = is_prompt(fed, Q, self.prompt_len)
         self.last_batch = B
         if self.method.always_exact and not (self.context is not None and not in_prompt):
             if self._causal_chunk(attention_mask, query, key, dropout, kwargs):
                 return exact_attention(query, key, value, attention_mask, scaling=scaling, causal=True).transpose(1, 2).contiguous(), None
             return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
-        layer = self._layer_index(module)
         if key.shape[2] == Q or layer not in self.records or self._batch.get(layer) != B:
             # No past keys: a new batch of sequences starts in this layer.
             self.states[layer] = self.method.new_state(B, Hq, query.device, layer=layer)
@@ -432,6 +475,39 @@ def _model_attention(model: PreTrainedModel) -> Any:
         fn.owner = owner
         model.__dict__["_siftattention_attention"] = fn
     return fn
+
+
+def is_prompt(fed: int, queries: int, prompt_len: int | None) -> bool:
+    """Whether a decode-mode forward of ``queries`` tokens, after ``fed`` tokens of the same sequences,
+    belongs to the prompt (prefilled exactly, never a recorded step); both generation loops ask this.
+
+    The first ``prompt_len`` tokens are the prompt, however they are chunked, so a one-token prompt is
+    a prompt too; every later one-token forward is a decode step. A forward of several tokens after the
+    prompt (assisted decoding's check of a draft) is computed as prompt rows. Where the prompt's length
+    is unknown, the first forward is the prompt.
+    """
+    if queries > 1:
+        return True
+    return fed == 0 if prompt_len is None else fed < prompt_len
+
+
+def _prompt_length(args: tuple, kwargs: dict) -> int | None:
+    """The prompt length of a ``generate(...)`` call: its ``input_ids`` (``inputs``) or ``inputs_embeds``."""
+    for ids in (kwargs.get("input_ids"), kwargs.get("inputs"), args[0] if args else None, kwargs.get("inputs_embeds")):
+        if isinstance(ids, torch.Tensor) and ids.dim() >= 2:
+            return int(ids.shape[1])
+    return None
+
+
+def _new_tokens(model: PreTrainedModel, prompt_len: int, kwargs: dict) -> int | None:
+    """The most tokens a ``generate(...)`` call asks for: ``max_new_tokens`` (of the call, else of its
+    generation config), else the call's ``max_length`` less the prompt; None where neither is set
+    (transformers' default then stops at the model's positions)."""
+    config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    new = kwargs.get("max_new_tokens", getattr(config, "max_new_tokens", None))
+    if new is None and kwargs.get("max_length") is not None:
+        new = kwargs["max_length"] - prompt_len
+    return None if new is None else int(new)
 
 
 def plan_capacity(length: int) -> int:

@@ -387,3 +387,21 @@ def tokenizer_for(model: torch.nn.Module) -> Any:
         return AutoTokenizer.from_pretrained(source, local_files_only=True)
     except (OSError, ValueError):
         return None
+
+
+def position_limit(model: torch.nn.Module) -> int | None:
+    """The positions the model was trained for (its text config's ``max_position_embeddings``), or None."""
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "get_text_config"):
+        config = config.get_text_config(decoder=True)
+    limit = getattr(config, "max_position_embeddings", None)
+    return limit if isinstance(limit, int) and not isinstance(limit, bool) else None
+
+
+def warn_beyond_positions(model: torch.nn.Module, positions: int, what: str, stacklevel: int = 3) -> None:
+    """Warn, as transformers' generate does, where ``what`` runs the model at more positions than it
+    was trained for: it may still run (rotary positions extrapolate), with degraded outputs."""
+    limit = position_limit(model)
+    if limit is not None and positions > limit:
+        warnings.warn(f"{what}: {positions} positions, more than the model's {limit} (max_position_embeddings); "
+                      "outputs past them may degrade", UserWarning, stacklevel=stacklevel)

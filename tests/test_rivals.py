@@ -222,7 +222,7 @@ def test_rival_specs_parse_and_bad_values_fail_in_one_line():
     assert TopTheta(k=32).spec() == "toptheta:k=32,renormalize=False,vmc=True"
     for bad, msg in [("skipsoftmax:scale=0", "scale must be a positive"), ("skipsoftmax:block=0", "block must be"),
                      ("toptheta:k=0", "k must be an integer >= 1"), ("toptheta:calibration=books", "calibration must be one of"),
-                     ("toptheta:sigma=nan", "sigma must be a number")]:
+                     ("toptheta:sigma=nan", "sigma must be a finite number")]:
         with pytest.raises(SpecError, match=msg) as err:
             parse_method(bad)
         assert "\n" not in str(err.value)

@@ -10,6 +10,7 @@ import torch
 
 from ..hf import apply
 from ..methods import Method
+from ..models import warn_beyond_positions
 
 
 @dataclass
@@ -31,6 +32,19 @@ def post_warmup_from(methods: Sequence[Method]) -> int:
     return max((m.warmup for m in methods), default=0)
 
 
+def check_windows(methods: Sequence[tuple[str, Method]], seq_len: int) -> None:
+    """Refuse, in one line naming the method, a warmup that leaves a window of ``seq_len`` tokens no
+    approximated row whose prediction is scored: rows S = 1..w are exact, and a window's scored
+    predictions are those of rows 1..seq_len - 1, so such a method would silently run as Full.
+    Needs no model: callers check before loading one."""
+    for spec, method in methods:
+        if method.warmup and seq_len - 1 <= method.warmup:
+            raise ValueError(
+                f"{spec}: a warmup of {method.warmup} steps leaves no approximated row in a window of {seq_len} tokens "
+                f"(its scored rows are steps 1..{seq_len - 1}), so it would run as Full; use a sequence length of at "
+                f"least {method.warmup + 2} or a shorter warmup")
+
+
 @torch.no_grad()
 def token_nll(model: torch.nn.Module, window: torch.Tensor) -> torch.Tensor:
     """Negative log-likelihood of tokens 1..L-1 of ``window`` [L]; entry i is predicted by row i (step S = i+1)."""
@@ -50,8 +64,11 @@ def evaluate_perplexity(
     ppl = exp(mean NLL over all predicted tokens of all windows); ``ppl_post_warmup`` uses
     the tokens predicted by steps S > W, with W the largest warmup among the methods,
     so every method's post-warmup figures cover the same tokens; they are NaN when the
-    windows have no step after W. Returns (results, W).
+    windows have no step after W. Returns (results, W). A method whose warmup covers every
+    scored row is refused before any forward pass (``check_windows``).
     """
+    check_windows(methods, windows.shape[-1])
+    warn_beyond_positions(model, windows.shape[-1], f"windows of {windows.shape[-1]} tokens")
     warm = post_warmup_from([m for _, m in methods])
     results = []
     for spec, method in methods:

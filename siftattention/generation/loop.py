@@ -25,7 +25,8 @@ import torch
 from ..attention import StepLog
 from ..hf import SiftHandle, SiftStats, apply
 from ..methods import Full
-from ..methods.base import KeyRange, Method
+from ..methods.base import KeyRange, Method, check_int
+from ..models import warn_beyond_positions
 from ..parallel import device_map_devices
 from .cache import FixedCache
 
@@ -59,7 +60,6 @@ class DecodeContext:
     def __init__(self, starts: torch.Tensor, prompt_len: int) -> None:
         device = starts.device
         self.step = 0  # host index of the decode step being run or captured (selects the method phase)
-        self.prefilling = True  # the prompt is being written (its chunks are exact attention, not decode steps)
         self.starts = starts.int()  # [B] first real token of each row (left padding)
         self.seq_lens = torch.full_like(self.starts, prompt_len + 1)  # keys visible to the token being decoded
         self.write_pos = torch.full((1,), prompt_len, dtype=torch.long, device=device)
@@ -114,13 +114,11 @@ def fast_path_problem(model: torch.nn.Module, method: Method) -> str | None:
     return None
 
 
-def _check_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, max_new_tokens: int) -> torch.Tensor:
+def _check_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype not in (torch.long, torch.int):
         raise ValueError("input_ids must be an integer tensor [batch, prompt_len]")
     if input_ids.shape[1] == 0:
         raise ValueError("the prompt is empty")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     if attention_mask is None:
         return torch.ones_like(input_ids)
     if attention_mask.shape != input_ids.shape:
@@ -225,7 +223,6 @@ class _Loop:
             if "cache_position" in self.accepts:
                 kwargs["cache_position"] = torch.arange(a, b, device=self.device)
             logits = self.model(input_ids=input_ids[:, a:b], **kwargs).logits[:, -1]
-        self.ctx.prefilling = False
         self.positions.copy_(positions[:, -1] + 1)
         self._emit(logits, torch.zeros(1, dtype=torch.long, device=self.device))
         self.cache.position.tensor = self.ctx.write_pos
@@ -351,7 +348,8 @@ def generate(
     >>> res.sequences, res.stats.realized_sparsity(post_warmup=True)
     """
     method = _check_method(method)
-    mask = _check_inputs(input_ids, attention_mask, max_new_tokens)
+    max_new_tokens = check_int("max_new_tokens", max_new_tokens, 1)
+    mask = _check_inputs(input_ids, attention_mask)
     eos_token_id, pad_token_id = _special_tokens(model, eos_token_id, pad_token_id)
     sampler = _Sampler(do_sample, temperature, top_k)
     problem = fast_path_problem(model, method)
@@ -360,6 +358,8 @@ def generate(
         return reference_generate(model, input_ids, mask, method, max_new_tokens=max_new_tokens, do_sample=do_sample,
                                   temperature=temperature, top_k=top_k, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
                                   decode_backend=decode_backend, fallback_reason=problem)
+    warn_beyond_positions(model, input_ids.shape[1] + max_new_tokens - 1,
+                          f"a prompt of {input_ids.shape[1]} tokens and {max_new_tokens} new tokens")
     use_graphs = input_ids.is_cuda if cuda_graphs is None else bool(cuda_graphs)
     if use_graphs and not input_ids.is_cuda:
         raise ValueError("cuda_graphs=True needs the inputs on a CUDA device")
@@ -368,6 +368,7 @@ def generate(
         handle.reset()
         loop = _Loop(model, handle, input_ids, mask, max_new_tokens, sampler, _eos_tensor(eos_token_id, input_ids.device), pad_token_id, use_graphs, output_scores, compile)
         handle.context = loop.ctx
+        handle.prompt_len = loop.P  # the prompt's chunks are exact attention, every later token a decode step
         with torch.inference_mode():
             sync = torch.cuda.synchronize if input_ids.is_cuda else (lambda: None)
             start = time.perf_counter()
@@ -386,6 +387,7 @@ def generate(
             decode_s = time.perf_counter() - start - prefill_s
     finally:
         handle.context = None
+        handle.prompt_len = None
         handle.remove()
     num = torch.minimum(loop.finished_at + 1, torch.full_like(loop.finished_at, max_new_tokens))
     # Steps after every row had finished are not part of the result (transformers stops there too).
@@ -435,7 +437,8 @@ def reference_generate(
     """transformers' ``generate`` with ``method`` applied, as ``generate``'s result (``fast=False``,
     ``timings["total_s"]``): the reference path, and ``generate``'s fallback (``fallback_reason``)."""
     method = _check_method(method)
-    mask = _check_inputs(input_ids, attention_mask, max_new_tokens)
+    max_new_tokens = check_int("max_new_tokens", max_new_tokens, 1)
+    mask = _check_inputs(input_ids, attention_mask)
     eos_token_id, pad_token_id = _special_tokens(model, eos_token_id, pad_token_id)
     kwargs = dict(do_sample=do_sample, pad_token_id=pad_token_id, eos_token_id=eos_token_id, max_new_tokens=max_new_tokens, min_new_tokens=0)
     if do_sample:

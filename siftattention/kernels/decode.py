@@ -77,7 +77,7 @@ def _check_common(
         raise ValueError(f"dtypes differ: q {q.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}")
     if not (q.device == k_cache.device == v_cache.device):
         raise ValueError("q, k_cache and v_cache must be on one device")
-    # Values are not checked (that would sync): 0 <= starts < seq_lens <= S_max.
+    # Values are not checked (that would sync): 0 <= starts <= seq_lens <= S_max.
     seq_lens = _index_vector(seq_lens, "seq_lens", B, q.device)
     starts = _index_vector(starts, "starts", B, q.device)
     if scale is None:
@@ -149,7 +149,8 @@ def sift_decode(
         seq_lens: [B] end of the valid keys (positions >= seq_len are ignored);
             None means S_max.
         starts: [B] first valid key (left padding, sliding windows); None means 0.
-            Values must satisfy 0 <= start < seq_len <= S_max (not checked: no sync).
+            Values must satisfy 0 <= start <= seq_len <= S_max (not checked: no sync);
+            a row with start == seq_len has no valid key: its output is zeros and kept 0.
         renormalize: divide by the kept probability mass instead of the full softmax sum.
         backend: "torch" (any device, fp32), "triton" (fused kernel), "cpu" (fused C++
             kernel, float32 CPU tensors), "auto" (Triton on CUDA tensors, "cpu" for float32
@@ -196,7 +197,8 @@ def sift_warmup_decode(
     ``[starts, seq_lens)``, with linear interpolation between order statistics
     (``torch.quantile``'s default: position ``tau * (n - 1)`` in ascending order,
     ``n = seq_len - start``). The Triton path finds the order statistics by a counting
-    search over the scores, without sorting.
+    search over the scores, without sorting. A row without valid keys gives zeros
+    (output and theta).
 
     ``tau`` is a float in [0, 1] or a [B, Hq] tensor.
     """

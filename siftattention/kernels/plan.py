@@ -16,8 +16,9 @@ Preconditions of the run methods (not checked, so that they stay cheap):
   float32 (or a ``PowerLawThreshold`` of contiguous float32 tensors), ``seq_lens`` [B]
   int32 and ``starts`` [B] int32 (or None), all contiguous.
 - Valid keys of row b: positions ``[starts[b], seq_lens[b])`` with
-  ``0 <= starts[b] < seq_lens[b] <= max_len``; keys outside never count (softmax,
-  quantile, kept, argmax). An empty range gives NaN outputs.
+  ``0 <= starts[b] <= seq_lens[b] <= max_len``; keys outside never count (softmax,
+  quantile, kept, argmax). An empty range (``starts[b] == seq_lens[b]``) gives zeros on
+  every backend: output, kept count, warmup quantile and anchored gap, never NaN.
 - eta: ``<= 0`` keeps every valid key, ``>= 1`` (and NaN) only the row maximum; the row
   maximum (first one on ties) is always kept.
 """

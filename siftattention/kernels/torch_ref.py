@@ -6,7 +6,9 @@ probability matrix, so it is simple rather than fast. Nothing here reads a tenso
 value on the host, so it never synchronises with the device.
 
 Valid keys of batch row b are the positions ``[starts[b], seq_lens[b])`` (``starts``
-None means 0, ``seq_lens`` None means S_max); other keys count nowhere.
+None means 0, ``seq_lens`` None means S_max); other keys count nowhere. A row without a
+valid key has no probabilities: every step gives it zeros (output, kept count, quantile,
+anchored gap), never NaN, as the other backends do.
 """
 
 from __future__ import annotations
@@ -53,7 +55,9 @@ def _acc_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 def _probs(s: torch.Tensor) -> torch.Tensor:
-    return torch.softmax(s, dim=-1)  # exp(-inf) = 0 for invalid keys
+    """Softmax over the last axis (exp(-inf) = 0 for invalid keys); 0 on a row with no valid key."""
+    p = torch.softmax(s, dim=-1)
+    return p.masked_fill(s.amax(dim=-1, keepdim=True) == float("-inf"), 0.0)
 
 
 def _apply_v(p: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
@@ -95,7 +99,8 @@ def sift_decode_torch(
 def _kept_weights(p: torch.Tensor, keep: torch.Tensor, renormalize: bool) -> torch.Tensor:
     """The kept keys' probabilities (0 elsewhere), renormalised to their own mass if asked."""
     w = torch.where(keep, p, torch.zeros((), dtype=p.dtype, device=p.device))
-    return w / w.sum(dim=-1, keepdim=True) if renormalize else w
+    # A kept row's mass is at least its maximum's; only a row without keys has none (it stays 0).
+    return w / w.sum(dim=-1, keepdim=True).clamp(min=torch.finfo(w.dtype).tiny) if renormalize else w
 
 
 def _kept_output(p: torch.Tensor, keep: torch.Tensor, v_cache: torch.Tensor, renormalize: bool,
@@ -151,10 +156,17 @@ def sift_anchored_decode_torch(
     lse = torch.logsumexp(s, dim=-1)
     anchor_lse = _anchor_lse(s, valid, first, last)
     thr = anchored_threshold(anchor_lse, gap.float(), log_eta.float())
-    keep = (s > thr[..., None]) & valid
+    keep = s > thr[..., None]
     keep.scatter_(-1, s.argmax(dim=-1, keepdim=True), True)
-    out, kept = _kept_output(torch.exp(s - lse[..., None]), keep, v_cache, renormalize, q.dtype)
-    return out, kept, lse - anchor_lse
+    empty = lse == float("-inf")  # no valid key: nothing kept, output 0, gap 0
+    p = torch.exp(s - lse[..., None]).masked_fill(empty[..., None], 0.0)
+    out, kept = _kept_output(p, keep & valid, v_cache, renormalize, q.dtype)
+    return out, kept, _gap(lse, anchor_lse)
+
+
+def _gap(lse: torch.Tensor, anchor_lse: torch.Tensor) -> torch.Tensor:
+    """The gap ``lse - anchor_lse``; 0 on a row with no valid key (all of its keys, none, are anchors)."""
+    return torch.where(lse == float("-inf"), 0.0, lse - anchor_lse)
 
 
 def anchor_gap_torch(
@@ -163,7 +175,7 @@ def anchor_gap_torch(
 ) -> torch.Tensor:
     """``logsumexp(s) - logsumexp(s over the anchors)`` [B, Hq] float32: the gap an exact step leaves."""
     s, valid = _scores(q, k_cache, scale, seq_lens, starts)
-    return (torch.logsumexp(s, dim=-1) - _anchor_lse(s, valid, first, last)).float()
+    return _gap(torch.logsumexp(s, dim=-1), _anchor_lse(s, valid, first, last)).float()
 
 
 def dense_decode_torch(
@@ -174,14 +186,15 @@ def dense_decode_torch(
     seq_lens: torch.Tensor | None,
     starts: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Exact attention over the valid keys through torch SDPA (a boolean mask only when needed)."""
+    """Exact attention over the valid keys through torch SDPA (a boolean mask only when needed);
+    zeros for a row with no valid key (SDPA's result there depends on its kernel)."""
     B, Hq, D = q.shape
     mask = valid_keys(B, k_cache.shape[2], q.device, seq_lens, starts)
     out = F.scaled_dot_product_attention(
         q[:, :, None, :], k_cache, v_cache, attn_mask=None if mask is None else mask[:, None, None, :],
         scale=scale, enable_gqa=Hq != k_cache.shape[1],
-    )
-    return out[:, :, 0]
+    )[:, :, 0]
+    return out if mask is None else out.masked_fill(~mask.any(dim=-1)[:, None, None], 0.0)
 
 
 def quantile_of_valid(p: torch.Tensor, valid: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
@@ -200,7 +213,7 @@ def quantile_of_valid(p: torch.Tensor, valid: torch.Tensor, tau: torch.Tensor) -
     hi_i = torch.minimum(lo_i + 1, (n - 1).clamp(min=0))
     a = srt.gather(-1, lo_i[..., None]).squeeze(-1)
     b = srt.gather(-1, hi_i[..., None]).squeeze(-1)
-    return torch.lerp(a, b, frac)
+    return torch.lerp(a, b, frac).masked_fill(n == 0, 0.0)  # no valid entry: 0
 
 
 def sift_warmup_decode_torch(

@@ -642,6 +642,13 @@ def _anchored_threshold(a2, Gap, LogAlpha, Beta, LogSteps, row, b, g_mask):
 
 
 @triton.jit
+def _gap(m, l, a2):
+    """The anchored normaliser's gap ``L - A`` in natural log, from the row's log2-domain maximum ``m``,
+    sum ``l`` and anchor log-sum-exp ``a2``; 0 on a row without keys (l = 0: all of its keys, none, are anchors)."""
+    return tl.where(l > 0.0, (m + tl.math.log2(l) - a2) * 0.6931471805599453, 0.0)
+
+
+@triton.jit
 def _narrow(x, offs_from, offs_to):
     """Re-lay a per-head vector onto another head tile, bit-exactly (one term per sum)."""
     sel = offs_to[:, None] == offs_from[None, :]
@@ -822,7 +829,7 @@ def _filter_kernel(
             cnt += c
         tl.store(Cnt + pst, cnt, mask=g_mask)
 
-    inv_l = 1.0 / l
+    inv_l = tl.where(l > 0.0, 1.0 / l, 0.0)  # a row without keys (l = 0) contributes zeros
     tl.store(Part + pst[:, None] * BLOCK_D + offs_d[None, :], acc * inv_l[:, None], mask=g_mask[:, None])
     tl.store(Mass + pst, mass * inv_l, mask=g_mask)
     if FUSED_COMBINE:
@@ -851,8 +858,8 @@ def _filter_kernel(
                                       other=0.0, cache_modifier=".cg"), axis=0)
                 tot_mass += tl.sum(tl.load(Mass + pj, mask=m2, other=0.0, cache_modifier=".cg"), axis=0)
                 kept += tl.sum(tl.load(Cnt + pj, mask=m2, other=0, cache_modifier=".cg"), axis=0)
-            if RENORMALIZE:
-                tot = tot / tl.where(ga_mask, tot_mass, 1.0)[:, None]
+            if RENORMALIZE:  # the kept mass is 0 only on a row without keys, whose output stays 0
+                tot = tot / tl.where(ga_mask & (tot_mass > 0.0), tot_mass, 1.0)[:, None]
             h = hkv * G + offs_ga
             tl.store(
                 Out + b.to(tl.int64) * stride_ob + h[:, None] * stride_oh + offs_d[None, :] * stride_od,
@@ -861,7 +868,7 @@ def _filter_kernel(
             if WRITE_KEPT:
                 tl.store(Kept + row_c, kept, mask=ga_mask)
             if ANCHORED:  # every program of the row read the previous gap before it arrived
-                tl.store(Gap + row, (m + tl.math.log2(l) - a2) * 0.6931471805599453, mask=g_mask)
+                tl.store(Gap + row, _gap(m, l, a2), mask=g_mask)
 
 
 @triton.jit
@@ -883,8 +890,9 @@ def _combine_kernel(
         mask=s_mask[:, None], other=0.0,
     )
     out = tl.sum(part, axis=0)
-    if RENORMALIZE:
-        out = out / tl.sum(tl.load(Mass + row * NUM_SPLITS2 + offs_s, mask=s_mask, other=0.0), axis=0)
+    if RENORMALIZE:  # the kept mass is 0 only on a row without keys, whose output stays 0
+        mass = tl.sum(tl.load(Mass + row * NUM_SPLITS2 + offs_s, mask=s_mask, other=0.0), axis=0)
+        out = out / tl.where(mass > 0.0, mass, 1.0)
     tl.store(
         Out + b * stride_ob + h * stride_oh + offs_d * stride_od,
         out.to(Out.dtype.element_ty), mask=offs_d < D,
@@ -935,7 +943,7 @@ def _merge_splits(Part, Mp, Lp, Out, b, hkv, stride_ob, stride_oh, stride_od, NU
     for j0 in range(0, NUM_SPLITS, CH):
         _, _, m, l, tot, _, _ = _merge_chunk(Part, Mp, Lp, row_c, j0, m, l, tot, ga_mask, offs_d, NUM_SPLITS,
                                              BLOCK_D, CH)
-    l = tl.where(ga_mask, l, 1.0)
+    l = tl.where(ga_mask & (l > 0.0), l, 1.0)  # a row without keys: tot = 0, output 0
     h_c = hkv * G + offs_ga
     tl.store(
         Out + b.to(tl.int64) * stride_ob + h_c[:, None] * stride_oh + offs_d[None, :] * stride_od,
@@ -1028,7 +1036,8 @@ def _warmup_gap_kernel(Scores, Mst, Lst, SeqLens, Starts, Gap, S_MAX, NUM_SPLITS
     begin, end = _row_range(SeqLens, Starts, b, S_MAX, HAS_SEQ_LENS, HAS_STARTS)
     m_a, l_a = _anchor_stats(Scores + row[:, None] * S_MAX, begin + FIRST, tl.maximum(begin + FIRST, end - LAST),
                              begin, end, h_mask, FIRST, LAST, BLOCK_F, BLOCK_L)
-    tl.store(Gap + row, (m + tl.math.log2(l) - m_a - tl.math.log2(l_a)) * 0.6931471805599453, mask=h_mask)
+    gap = (m + tl.math.log2(l) - m_a - tl.math.log2(l_a)) * 0.6931471805599453
+    tl.store(Gap + row, tl.where(l > 0.0, gap, 0.0), mask=h_mask)  # no keys: 0, as _gap
 
 
 class Workspace:

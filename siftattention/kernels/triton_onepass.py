@@ -290,13 +290,14 @@ def _onepass_kernel(
         l = tl.where(ga_mask, l, 1.0)
         # This step's gap L - A (natural log), for the next step's threshold.
         a2_c = td._narrow(a2, offs_g, offs_ga)
-        tl.store(Gap + row_c, (m + tl.math.log2(l) - a2_c) * 0.6931471805599453, mask=ga_mask)
-        needy = (kept == 0) & ga_mask  # nothing passed T: keep the first argmax only
+        tl.store(Gap + row_c, td._gap(m, l, a2_c), mask=ga_mask)
+        # Nothing passed T: keep the first argmax only. A row without keys (l = 0) keeps nothing: output 0.
+        needy = (kept == 0) & ga_mask & (l > 0.0)
         if RENORMALIZE:
             denom = tot_mass
         else:
             denom = l
-        res = tot / tl.where(needy | ~ga_mask, 1.0, denom)[:, None]
+        res = tot / tl.where(needy | ~ga_mask | (l == 0.0), 1.0, denom)[:, None]
         if tl.max(needy.to(tl.int32), axis=0) > 0:
             amax = _first_argmax(q, k_base, Mp, m, needy, row_c, begin, end, offs_g, offs_ga, offs_d, d_mask,
                                  stride_ks, stride_kd, qk_scale, NUM_SPLITS, BLOCK_G, BLOCK_N, CH,
@@ -362,7 +363,7 @@ class OnePassPlan:
 
         Inputs are not checked: q [B, Hq, D]; caches [B, Hkv, max_len, D] of the planned dtype,
         any strides; ``threshold``'s tensors, ``gap``, ``seq_lens`` and ``starts`` (int32, or
-        None) contiguous, with ``0 <= starts < seq_lens <= max_len``.
+        None) contiguous, with ``0 <= starts <= seq_lens <= max_len`` (an empty range: zeros, gap 0).
         """
         geo = self.geometry
         B, Hq, D = geo["B"], geo["Hq"], geo["D"]

@@ -300,11 +300,12 @@ def _pick_digit(hist, rank, prefix, shift):
 
 @triton.jit
 def _interpolate(t, t_hi, frac, m, l):
-    """theta: the probabilities exp2(s - m) / l of the two order statistics' keys, interpolated."""
+    """theta: the probabilities exp2(s - m) / l of the two order statistics' keys, interpolated;
+    0 on a row without keys (l = 0)."""
     inv_l = 1.0 / l
     p_lo = tl.math.exp2(_ukey_float(t) - m) * inv_l
     p_hi = tl.math.exp2(_ukey_float(t_hi) - m) * inv_l
-    return p_lo + frac * (p_hi - p_lo)
+    return tl.where(l > 0.0, p_lo + frac * (p_hi - p_lo), 0.0)
 
 
 @triton.jit

@@ -19,6 +19,7 @@ batch of sequences.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
 
@@ -102,16 +103,83 @@ class Selection:
     probs: torch.Tensor | None = None
 
 
-def check_fraction(name: str, value: float, *, low_open: bool = True, high_open: bool = True) -> float:
-    """Raise ValueError naming ``name`` unless ``value`` is a number in the interval."""
+def real_scalar(value: object) -> int | float | None:
+    """``value`` as a Python int or float where it is one real number, else None.
+
+    Accepted: ``numbers.Real`` (int, float, numpy's scalars, Fraction) and zero-dimensional
+    arrays or tensors of an integer or floating dtype. Not a number here: bool (and numpy's
+    or torch's bools), strings, complex values, and arrays or tensors with any dimension.
+    """
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    shape = getattr(value, "shape", None)
+    if shape is not None and tuple(shape) == () and callable(getattr(value, "item", None)):
+        item = value.item()  # a 0-d array or tensor: its element as a Python number
+        return None if isinstance(item, bool) or not isinstance(item, numbers.Real) else real_scalar(item)
+    return None
+
+
+def describe(value: object) -> str:
+    """A bad parameter value in one short line: its repr, or an array's or tensor's type and shape."""
+    kind = type(value).__name__
+    kind = ("an " if kind[:1].lower() in "aeiou" else "a ") + kind
+    shape = getattr(value, "shape", None)
+    if shape is not None and not isinstance(value, (str, bytes)) and tuple(shape) != ():
+        return f"{kind} of shape {tuple(shape)}"
+    text = repr(value)
+    return text if len(text) <= 80 and "\n" not in text else kind
+
+
+def check_fraction(name: str, value: object, *, low_open: bool = True, high_open: bool = True) -> float:
+    """``value`` as a float, or ValueError naming ``name`` unless it is a real number in the interval."""
     interval = ("(" if low_open else "[") + "0, 1" + (")" if high_open else "]")
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name} must be a number in {interval}, got {value!r}")
-    lo_ok = value > 0 if low_open else value >= 0
-    hi_ok = value < 1 if high_open else value <= 1
-    if math.isnan(value) or not (lo_ok and hi_ok):
-        raise ValueError(f"{name} must be in {interval}, got {value!r}")
-    return float(value)
+    x = real_scalar(value)
+    if x is None:
+        raise ValueError(f"{name} must be a number in {interval}, got {describe(value)}")
+    lo_ok = x > 0 if low_open else x >= 0
+    hi_ok = x < 1 if high_open else x <= 1
+    if math.isnan(x) or not (lo_ok and hi_ok):
+        raise ValueError(f"{name} must be in {interval}, got {x!r}")
+    return float(x)
+
+
+def check_real(name: str, value: object, *, positive: bool = False) -> float:
+    """``value`` as a float, or ValueError naming ``name`` unless it is a finite (and, if asked, positive) real number."""
+    what = "a positive finite number" if positive else "a finite number"
+    x = real_scalar(value)
+    if x is None:
+        raise ValueError(f"{name} must be {what}, got {describe(value)}")
+    if not math.isfinite(x) or (positive and not x > 0):
+        raise ValueError(f"{name} must be {what}, got {x!r}")
+    return float(x)
+
+
+def check_int(name: str, value: object, low: int) -> int:
+    """``value`` as an int, or ValueError naming ``name`` unless it is an integer (a 0-d integer tensor too) >= ``low``."""
+    x = real_scalar(value)
+    if not isinstance(x, int) or x < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {describe(value) if x is None else repr(x)}")
+    return x
+
+
+def check_bool(name: str, value: object) -> bool:
+    """``value`` as a bool, or ValueError naming ``name`` unless it is True or False (numpy's or a 0-d tensor's too)."""
+    item = value.item() if tuple(getattr(value, "shape", (0,))) == () and callable(getattr(value, "item", None)) else value
+    if not isinstance(item, bool):
+        raise ValueError(f"{name} must be True or False, got {describe(value)}")
+    return item
+
+
+def select_sequences(state: Any, index: torch.Tensor) -> Any:
+    """A dataclass state whose tensors all have one row per sequence, with rows ``index`` ([B] int64) taken."""
+    from dataclasses import fields, replace
+
+    return replace(state, **{f.name: getattr(state, f.name).index_select(0, index.to(getattr(state, f.name).device))
+                             for f in fields(state)})
 
 
 def keep_row_max(probs: torch.Tensor, keep: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -172,6 +240,14 @@ class Method:
         No host synchronisation and no shape that depends on tensor values.
         """
         raise NotImplementedError(f"{self.name} has no decode step")
+
+    def reorder_state(self, state: Any, index: torch.Tensor) -> Any:
+        """The state with its sequences reordered: new sequence i continues sequence ``index[i]``
+        (transformers' beam search, after every step). A method without state needs nothing; one whose
+        state holds per-sequence tensors says how to select them (``select_sequences``)."""
+        if state is None:
+            return None
+        raise NotImplementedError(f"{self.name} does not say how to reorder its per-sequence state, so it cannot follow beam search")
 
     def end_decode_phase(self, phase: str, states: list[Any]) -> None:
         """Called once the last step of decode phase ``phase`` has run in every layer, with those layers' states.

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Method, Rows, Selection, check_fraction
+from .base import Method, Rows, Selection, check_fraction, select_sequences
 
 
 @dataclass
@@ -48,6 +48,9 @@ class H2O(Method):
             accumulated=torch.zeros(batch, heads, 0, device=device),
             evicted=torch.zeros(batch, heads, 0, dtype=torch.bool, device=device),
         )
+
+    def reorder_state(self, state: H2OState, index: torch.Tensor) -> H2OState:
+        return select_sequences(state, index)  # each sequence's accumulated attention and evictions
 
     def _fit_state(self, state: H2OState, keys: int) -> None:
         state.accumulated = _grow(state.accumulated, keys)

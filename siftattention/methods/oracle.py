@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .base import DecodeOutput, KeyRange, Method, Rows, Selection, check_fraction, keep_row_max
+from .base import DecodeOutput, KeyRange, Method, Rows, Selection, check_bool, check_fraction, keep_row_max
 
 
 @dataclass
@@ -26,6 +26,7 @@ class Oracle(Method):
 
     def __post_init__(self) -> None:
         self.tau = check_fraction("tau", self.tau)
+        self.renormalize = check_bool("renormalize", self.renormalize)
 
     def select(self, rows: Rows, state: None) -> Selection:
         valid = rows.valid.expand_as(rows.probs)

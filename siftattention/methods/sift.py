@@ -23,7 +23,8 @@ import torch
 from ..kernels.plan import PowerLawThreshold
 from ..kernels.torch_ref import anchor_mask
 from ..powerlaw import fit_power_law, masked_quantile, predict_log
-from .base import DecodeOutput, KeyRange, Method, Rows, Selection, check_fraction, keep_row_max
+from .base import (DecodeOutput, KeyRange, Method, Rows, Selection, check_bool, check_fraction, check_int, keep_row_max,
+                   select_sequences)
 
 
 @dataclass
@@ -62,18 +63,19 @@ class Sift(Method):
 
     def __post_init__(self) -> None:
         self.tau = check_fraction("tau", self.tau)
-        if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 2:
-            raise ValueError(f"warmup must be an integer >= 2, got {self.warmup!r}")
+        self.warmup = check_int("warmup", self.warmup, 2)
+        self.renormalize = check_bool("renormalize", self.renormalize)
         if self.warmup_source not in ("decode", "prefill"):
             raise ValueError(f"warmup_source must be 'decode' or 'prefill', got {self.warmup_source!r}")
         if self.normalizer not in ("exact", "anchored"):
             raise ValueError(f"normalizer must be 'exact' or 'anchored', got {self.normalizer!r}")
-        for name in ("anchor_first", "anchor_last"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
+        self.anchor_first = check_int("anchor_first", self.anchor_first, 0)
+        self.anchor_last = check_int("anchor_last", self.anchor_last, 0)
         if self.anchor_first + self.anchor_last == 0:
             raise ValueError("anchor_first + anchor_last must be at least 1")
+
+    def reorder_state(self, state: SiftState, index: torch.Tensor) -> SiftState:
+        return select_sequences(state, index)  # every field has one row per sequence
 
     @property
     def anchored(self) -> bool:

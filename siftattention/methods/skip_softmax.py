@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .base import DecodeOutput, KeyRange, Method, Rows, Selection
+from .base import DecodeOutput, KeyRange, Method, Rows, Selection, check_bool, check_int, check_real
 
 
 def skip_softmax_keep(scores: torch.Tensor, log_lambda: torch.Tensor, block: int, groups: int) -> torch.Tensor:
@@ -58,11 +58,9 @@ class SkipSoftmax(Method):
     renormalize = True  # skipped blocks are absent from the softmax
 
     def __post_init__(self) -> None:
-        if isinstance(self.scale, bool) or not isinstance(self.scale, (int, float)) or not self.scale > 0 or math.isinf(self.scale):
-            raise ValueError(f"scale must be a positive finite number, got {self.scale!r}")
-        self.scale = float(self.scale)
-        if isinstance(self.block, bool) or not isinstance(self.block, int) or self.block < 1:
-            raise ValueError(f"block must be a positive integer, got {self.block!r}")
+        self.scale = check_real("scale", self.scale, positive=True)
+        self.block = check_int("block", self.block, 1)
+        self.per_head = check_bool("per_head", self.per_head)
 
     def log_lambda(self, steps: torch.Tensor) -> torch.Tensor:
         """log(scale / S) per row, -inf where lambda >= 1 (nothing skipped)."""

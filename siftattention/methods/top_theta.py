@@ -24,17 +24,12 @@ from typing import Any, Callable, ClassVar
 
 import torch
 
-from .base import DecodeOutput, KeyRange, Method, Rows, Selection, compensate_value_mean, keep_row_max
+from .base import (DecodeOutput, KeyRange, Method, Rows, Selection, check_bool, check_int, check_real, compensate_value_mean,
+                   keep_row_max)
 
 
 class CalibrationError(RuntimeError):
     """Top-theta has no thresholds for this model and cannot calibrate them."""
-
-
-def _check_int(name: str, value: object, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-    return value
 
 
 def _model_key(model: Any) -> tuple:
@@ -124,13 +119,14 @@ class TopTheta(Method):
     spec_optional: ClassVar[tuple[str, ...]] = ("first_layers", "first_k", "sigma", "calibration", "calib_seqs", "calib_len")
 
     def __post_init__(self) -> None:
-        _check_int("k", self.k, 1)
-        _check_int("first_layers", self.first_layers, 0)
-        _check_int("first_k", self.first_k, 1)
-        _check_int("calib_seqs", self.calib_seqs, 1)
-        _check_int("calib_len", self.calib_len, 2)
-        if isinstance(self.sigma, bool) or not isinstance(self.sigma, (int, float)) or not (self.sigma == self.sigma):
-            raise ValueError(f"sigma must be a number, got {self.sigma!r}")
+        self.k = check_int("k", self.k, 1)
+        self.first_layers = check_int("first_layers", self.first_layers, 0)
+        self.first_k = check_int("first_k", self.first_k, 1)
+        self.calib_seqs = check_int("calib_seqs", self.calib_seqs, 1)
+        self.calib_len = check_int("calib_len", self.calib_len, 2)
+        self.sigma = check_real("sigma", self.sigma)
+        self.renormalize = check_bool("renormalize", self.renormalize)
+        self.vmc = check_bool("vmc", self.vmc)
         from ..data import DATASETS
 
         if self.calibration not in DATASETS:
@@ -195,6 +191,9 @@ class TopTheta(Method):
                 f"{self.spec()} was calibrated for {self.thresholds.shape[0]} layers x {self.thresholds.shape[1]} heads, "
                 f"asked for layer {layer} with {heads} heads")
         return TopThetaState(self.thresholds[layer].to(device))
+
+    def reorder_state(self, state: TopThetaState, index: torch.Tensor) -> TopThetaState:
+        return state  # the thresholds belong to the model, not to a sequence
 
     def select(self, rows: Rows, state: TopThetaState) -> Selection:
         theta = _lookup(state.thresholds, rows.steps).permute(0, 2, 1)[..., None]  # [B, H, R, 1]

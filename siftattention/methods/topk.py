@@ -8,7 +8,7 @@ import torch
 
 from typing import Any
 
-from .base import DecodeOutput, KeyRange, Method, Rows, Selection, check_fraction
+from .base import DecodeOutput, KeyRange, Method, Rows, Selection, check_bool, check_fraction
 
 
 @dataclass
@@ -21,6 +21,7 @@ class TopK(Method):
 
     def __post_init__(self) -> None:
         self.k = check_fraction("k", self.k, high_open=False)
+        self.renormalize = check_bool("renormalize", self.renormalize)
 
     def budget(self, steps: torch.Tensor) -> torch.Tensor:
         """Keys kept at step S: ceil(k*S), at least 1 (computed in float64 to match the closed form)."""

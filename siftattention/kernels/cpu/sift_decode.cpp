@@ -19,6 +19,7 @@
 // p = softmax over them; keep p > eta, every valid key where eta <= 0, and always the
 // first maximum; out = sum_kept p_i v_i (divided by the kept mass with renormalize).
 // The quantile is torch.quantile's linear rule at position tau * (n - 1), ascending.
+// A row without a valid key (start == seq_len) gives zeros: output, kept count, quantile and gap.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -163,6 +164,9 @@ std::vector<torch::Tensor> decode_cpu(torch::Tensor q, torch::Tensor k, torch::T
   for (int64_t b = 0; b < B; ++b) {
     lo_all = std::min<int64_t>(lo_all, st ? st[b] : 0);
     hi_all = std::max<int64_t>(hi_all, lens ? lens[b] : S);
+    if (mode == ANCHORED && (lens ? lens[b] : S) <= (st ? st[b] : 0)) {
+      std::fill(gap.data_ptr<float>() + b * Hq, gap.data_ptr<float>() + (b + 1) * Hq, 0.f);  // no keys, all anchors
+    }
   }
   if (hi_all <= lo_all) return {out, kept, theta};
   const int64_t W = hi_all - lo_all;
