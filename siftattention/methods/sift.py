@@ -26,6 +26,10 @@ from ..powerlaw import fit_power_law, masked_quantile, predict_log
 from .base import DecodeOutput, KeyRange, Method, Rows, Selection, check_fraction, keep_row_max
 
 
+#: The longest warmup: its buffers are allocated whole ([batch, heads, warmup] per layer).
+MAX_WARMUP = 65536
+
+
 @dataclass
 class SiftState:
     """Per-(sequence, head) state of one layer."""
@@ -64,6 +68,9 @@ class Sift(Method):
         self.tau = check_fraction("tau", self.tau)
         if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 2:
             raise ValueError(f"warmup must be an integer >= 2, got {self.warmup!r}")
+        if self.warmup > MAX_WARMUP:
+            # Each layer's state holds a quantile per sequence, head and warmup step from the first forward on.
+            raise ValueError(f"warmup must be at most {MAX_WARMUP} steps, got {self.warmup!r}")
         if self.warmup_source not in ("decode", "prefill"):
             raise ValueError(f"warmup_source must be 'decode' or 'prefill', got {self.warmup_source!r}")
         if self.normalizer not in ("exact", "anchored"):
