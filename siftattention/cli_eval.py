@@ -154,7 +154,7 @@ def _wrap_user_errors(fn, *args, **kwargs):
     name="eval",
     help="Evaluate methods on a generation task (ifeval, math-hard, longgen, longgen-wu): batched greedy decoding with "
     "the chat template, per-sample JSONL and a summary per method in OUT/TASK/, resumable.\n\n\b\n" + SPEC_HELP,
-    short_help="Methods on a generation task (ifeval, math-hard, longgen), resumable.",
+    short_help="Methods on a generation task (ifeval, math-hard, longgen).",
 )
 @click.argument("task_name", metavar="TASK")
 @click.option("--model", "model_name", default="smollm2-135m", show_default=True, help="embedded name, local directory or hub id")
@@ -194,7 +194,7 @@ def eval_command(task_name: str, model_name: str, specs: tuple[str, ...], limit:
 
 @click.command(name="sweep", help="Run a grid of tasks x methods x parameters from a TOML file (see docs/eval.md); "
                "resumable (finished samples and cells are skipped); writes sweep.json, sweep.md and the paper's figures.",
-               short_help="A grid of tasks x methods from a TOML file, resumable, with figures.")
+               short_help="A grid of tasks x methods from a TOML file, with figures.")
 @click.argument("config", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--out", type=OutDir(), default=None, help="overrides the config's out")
 @click.option("--plots-only", is_flag=True, help="redraw the figures and tables from the finished cells, decode nothing")

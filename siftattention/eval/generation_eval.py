@@ -361,7 +361,10 @@ def evaluate_generation(
     task_dir = Path(out) / task.name
     check_run(task_dir, run)
     task_dir.mkdir(parents=True, exist_ok=True)
-    write_json(task_dir / "run.json", {**run, "data_source": data.source})
+    try:
+        write_json(task_dir / "run.json", {**run, "data_source": data.source})
+    except OutputWriteError as err:
+        raise OutputWriteError(f"{err}; nothing was decoded or saved", err.path, err.reason) from None
     min_new = settings.min_new_tokens if settings.min_new_tokens is not None else max(m.warmup for _, m in methods)
 
     if model is None and settings.decode:
