@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -11,7 +12,9 @@ from pathlib import Path
 import click
 from rich.console import Console
 
-from .methods import SPEC_HELP, SpecError, parse_method
+from .cli_common import DTYPES, OutDir, one_line_warnings, user_errors
+from .methods import SPEC_HELP, parse_method, parse_methods
+from .progress import progress, status
 
 # Piped output (CI logs, `make demo | tee`) gets room for the full method specs in tables.
 console = Console(width=None if sys.stdout.isatty() else 132)
@@ -42,24 +45,17 @@ PAPER_PROMPT = (
 )
 
 
-def _parse_methods(specs: tuple[str, ...]) -> list:
-    return [(spec, parse_method(spec)) for spec in specs]
-
-
 def prepare_methods(model, methods: list) -> None:
     """Each method's once-per-model work (Top-theta's calibration) up front, with a progress bar."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
-    columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn()]
-    with Progress(*columns, console=console, transient=True) as progress:
+    with progress(console, transient=True) as bars:
         for spec, method in methods:
             task = None
 
             def on_progress(done: int, total: int, spec: str = spec) -> None:
                 nonlocal task
                 if task is None:
-                    task = progress.add_task(f"calibrating [{spec}]", total=total)
-                progress.update(task, completed=done)
+                    task = bars.add_task(f"calibrating [{spec}]", total=total)
+                bars.update(task, completed=done)
 
             method.prepare(model, on_progress)
 
@@ -71,7 +67,7 @@ def _load(model_name: str, device: str = "cpu", dtype: str = "float32"):
     from .parallel import launched_by_torchrun
 
     sharded = launched_by_torchrun()
-    with console.status(f"loading {model_name} ..."):
+    with status(console, f"loading {model_name} ..."):
         start = time.perf_counter()
         model, tokenizer = load_model(model_name, tensor_parallel=sharded, device=device, dtype=getattr(torch, dtype))
     sharded_over = f", heads sharded over {os.environ['WORLD_SIZE']} tensor-parallel ranks" if sharded else ""
@@ -84,30 +80,36 @@ def run_ppl(
     device: str = "cpu", dtype: str = "float32",
 ) -> dict:
     """Load, evaluate and write ``out/results.json`` (+ the sweep plot); returns the results payload."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    from .data import load_corpus
+    from .report import claim_out_dir
 
-    from .data import load_corpus, token_windows
-    from .eval.perplexity import evaluate_perplexity
-    from .parallel import is_main_rank
-    from .report import check_out_dir, plot_ppl_vs_sparsity, remove_stale, results_table, versions, write_json
-
-    # Every cheap check before the model load: specs, data, the output directory.
-    methods = _parse_methods(specs)
+    # Every cheap check before the model load: specs, data, the output directory (held until the results are written).
+    methods = parse_methods(specs)
     corpus = load_corpus(dataset, data_file)
     if not corpus.text.strip():
         raise ValueError(f"the corpus is empty ({corpus.source})")
-    check_out_dir(out)
+    with claim_out_dir(out) as out:
+        return _ppl(model_name, dataset, corpus, seq_len, num_seqs, methods, out, loaded, device, dtype)
+
+
+def _ppl(model_name: str, dataset: str, corpus, seq_len: int, num_seqs: int, methods: list, out: Path, loaded,
+         device: str = "cpu", dtype: str = "float32") -> dict:
+    from .data import token_windows
+    from .eval.perplexity import evaluate_perplexity
+    from .output import json_bytes, save_run
+    from .parallel import is_main_rank
+    from .report import plot_ppl_vs_sparsity, results_table, versions
+
     model, tokenizer = loaded or _load(model_name, device, dtype)
     windows = token_windows(corpus.text, tokenizer, seq_len, num_seqs)
     console.print(f"data: {dataset} from {corpus.source}: {num_seqs} windows x {seq_len} tokens")
     start = time.perf_counter()
     prepare_methods(model, methods)
-    columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn()]
-    with Progress(*columns, console=console) as progress:
-        task = progress.add_task("perplexity", total=len(methods) * num_seqs)
+    with progress(console) as bars:
+        task = bars.add_task("perplexity", total=len(methods) * num_seqs)
 
         def on_step(spec: str, i: int) -> None:
-            progress.update(task, advance=1, description=f"perplexity [{spec}]")
+            bars.update(task, advance=1, description=f"perplexity [{spec}]")
 
         results, warm = evaluate_perplexity(model, windows, methods, on_step=on_step)
     rows = [r.to_dict() for r in results]
@@ -124,10 +126,10 @@ def run_ppl(
     }
     console.print(results_table(rows, title=f"{model_name} / {dataset}, {num_seqs} x {seq_len} tokens (W = {warm})"))
     if is_main_rank():  # under torchrun every rank has the same results; one writes them
-        write_json(out / "results.json", payload)
-        plot = plot_ppl_vs_sparsity(rows, out / "ppl_vs_sparsity.png", f"{model_name} on {dataset}, seq-len {seq_len}")
-        remove_stale(out, ["ppl_vs_sparsity.png"], keep=[plot])
-        console.print(f"wrote {out / 'results.json'}" + (f" and {plot}" if plot else ""))
+        title = f"{model_name} on {dataset}, seq-len {seq_len}"
+        written = save_run(out, {"results.json": json_bytes(payload)}, stale=["ppl_vs_sparsity.png"],
+                           figures=lambda: plot_ppl_vs_sparsity(rows, out / "ppl_vs_sparsity.png", title))
+        console.print("wrote " + " and ".join(str(p) for p in written), highlight=False)
     return payload
 
 
@@ -184,6 +186,7 @@ def generate_text(model, tokenizer, prompt: str, spec: str, max_new_tokens: int,
     import warnings
 
     from .generation import generate, reference_generate
+    from .notices import FallbackWarning
 
     if path not in GENERATE_PATHS:
         raise ValueError(f"path must be one of {', '.join(GENERATE_PATHS)}, got {path!r}")
@@ -196,7 +199,8 @@ def generate_text(model, tokenizer, prompt: str, spec: str, max_new_tokens: int,
     prepare_methods(model, [(spec, method)])
     run = reference_generate if path == "reference" else generate
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the fast path's fallback notice: reported as the path's reason
+        # The fast path's fallback notice is reported as the path's reason; every other warning shows.
+        warnings.filterwarnings("ignore", category=FallbackWarning)
         res = run(model, ids["input_ids"], ids["attention_mask"], method, max_new_tokens=max_new_tokens,
                   pad_token_id=tokenizer.eos_token_id)
     new_ids = res.new_tokens[0, : int(res.num_generated[0])]
@@ -232,16 +236,30 @@ def cli(ctx: click.Context) -> None:
                                    f"{', '.join(TENSOR_PARALLEL_COMMANDS)} do (tensor parallelism)")
 
 
-@cli.command(help="Teacher-forced perplexity of several methods against their realized sparsity.\n\n\b\n" + SPEC_HELP)
-@click.option("--model", "model_name", default="smollm2-135m", show_default=True, help="embedded name, local directory or hub id")
+MODEL_HELP = "embedded name (smollm2-135m, gemma3-270m, qwen2.5-1.5b; `sift models`), a local directory, or a hub id"
+PPL_HELP = """Teacher-forced perplexity of several methods against their realized sparsity.
+
+The corpus is cut into the first NUM-SEQS non-overlapping windows of SEQ-LEN tokens; every
+row of a window is one generation step. Prints a table and writes into --out:
+results.json (ppl, ppl_post_warmup, realized_sparsity, realized_sparsity_post_warmup and
+tokens per method; the data source and versions) and, when a method family has several
+settings, ppl_vs_sparsity.png. One run at a time per --out: a second one stops at once.
+
+\b
+""" + SPEC_HELP
+
+
+@cli.command(help=PPL_HELP, short_help="Perplexity of methods against their realized sparsity.")
+@click.option("--model", "model_name", default="smollm2-135m", show_default=True, help=MODEL_HELP)
 @click.option("--dataset", default="wikitext2", show_default=True, help="wikitext2, c4 or wiki")
 @click.option("--data-file", type=click.Path(dir_okay=False), default=None, help="read this text file whole instead")
-@click.option("--seq-len", default=1024, show_default=True, type=click.IntRange(min=2))
-@click.option("--num-seqs", default=8, show_default=True, type=click.IntRange(min=1))
-@click.option("--method", "specs", multiple=True, required=True, help="method spec, repeatable (see above)")
-@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("runs/ppl"), show_default=True)
+@click.option("--seq-len", default=1024, show_default=True, type=click.IntRange(min=2), help="tokens per window (steps S = 1..seq-len)")
+@click.option("--num-seqs", default=8, show_default=True, type=click.IntRange(min=1), help="number of windows")
+@click.option("--method", "specs", multiple=True, required=True, help="method spec, repeatable (see above); each method once")
+@click.option("--out", type=OutDir(), default=Path("runs/ppl"), show_default=True,
+              help="directory for results.json and ppl_vs_sparsity.png (created if missing)")
 @click.option("--device", default="cpu", show_default=True, help="auto, cpu, cuda or cuda:N (unused under torchrun)")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
+@click.option("--dtype", type=click.Choice(DTYPES), default="float32", show_default=True, help="the weights' precision")
 def ppl(model_name: str, dataset: str, data_file: str | None, seq_len: int, num_seqs: int, specs: tuple[str, ...], out: Path,
         device: str, dtype: str) -> None:
     from .cli_eval import resolve_device
@@ -249,29 +267,32 @@ def ppl(model_name: str, dataset: str, data_file: str | None, seq_len: int, num_
     run_ppl(model_name, dataset, data_file, seq_len, num_seqs, specs, out, device=resolve_device(device), dtype=dtype)
 
 
-@cli.command(help="Greedy generation with one or more methods, printed side by side, with tokens/s and realized sparsity.")
-@click.option("--model", "model_name", default="smollm2-135m", show_default=True)
+@cli.command(help="Greedy generation with one or more methods, printed side by side, with tokens/s and realized sparsity. "
+             "Each method runs twice: the table gives the first call's seconds (kernels built and compiled) and the "
+             "second call's speed.\n\n\b\n" + SPEC_HELP,
+             short_help="Greedy generation with each method, side by side, timed.")
+@click.option("--model", "model_name", default="smollm2-135m", show_default=True, help=MODEL_HELP)
 @click.option("--prompt", default=PAPER_PROMPT, help="defaults to the paper's appendix prompt")
-@click.option("--method", "specs", multiple=True, default=("full", "sift:tau=0.875,warmup=16"), show_default=True)
+@click.option("--method", "specs", multiple=True, default=("full", "sift:tau=0.875,warmup=16"), show_default=True,
+              help="method spec, repeatable (see above); each method once")
 @click.option("--max-new-tokens", default=96, show_default=True, type=click.IntRange(min=1))
 @click.option("--path", "gen_path", type=click.Choice(GENERATE_PATHS), default="auto", show_default=True,
               help="decode path: the fast loop (siftattention.generate) or transformers' generate")
-@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda (unused under torchrun)")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
-@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None, help="also write generations.json here")
+@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N (unused under torchrun)")
+@click.option("--dtype", type=click.Choice(DTYPES), default="float32", show_default=True, help="the weights' precision")
+@click.option("--out", type=OutDir(), default=None, help="also write generations.json into this directory")
 def generate(model_name: str, prompt: str, specs: tuple[str, ...], max_new_tokens: int, gen_path: str, device: str, dtype: str,
              out: Path | None) -> None:
     from .cli_eval import resolve_device
-    from .report import check_out_dir
+    from .report import claim_out_dir
 
-    _parse_methods(specs)
+    parse_methods(specs)
     device = resolve_device(device)
-    if out is not None:
-        check_out_dir(out)
-    model, tokenizer = _load(model_name, device, dtype)
-    results = _print_generations(model, tokenizer, prompt, specs, max_new_tokens, gen_path)
-    if out is not None:
-        _write_generations(out / "generations.json", model_name, model, prompt, max_new_tokens, gen_path, results)
+    with claim_out_dir(out) if out is not None else contextlib.nullcontext():
+        model, tokenizer = _load(model_name, device, dtype)
+        results = _print_generations(model, tokenizer, prompt, specs, max_new_tokens, gen_path)
+        if out is not None:
+            _write_generations(out / "generations.json", model_name, model, prompt, max_new_tokens, gen_path, results)
 
 
 def _print_generations(model, tokenizer, prompt: str, specs: tuple[str, ...], max_new_tokens: int, path: str = "auto") -> list[Generation]:
@@ -281,7 +302,7 @@ def _print_generations(model, tokenizer, prompt: str, specs: tuple[str, ...], ma
 
     results, panels = [], []
     for spec in specs:
-        with console.status(f"generating with {spec} (twice: the first call builds and compiles its kernels) ..."):
+        with status(console, f"generating with {spec} (twice: the first call builds and compiles its kernels) ..."):
             first = generate_text(model, tokenizer, prompt, spec, max_new_tokens, path=path)
             res = generate_text(model, tokenizer, prompt, spec, max_new_tokens, path=path)
         res.first_call_seconds = first.seconds
@@ -313,35 +334,39 @@ def _print_generations(model, tokenizer, prompt: str, specs: tuple[str, ...], ma
 
 def _write_generations(path: Path, model_name: str, model, prompt: str, max_new_tokens: int, gen_path: str,
                        results: list[Generation]) -> None:
+    from .output import json_bytes, save_run
     from .parallel import is_main_rank
-    from .report import versions, write_json
+    from .report import versions
 
     if not is_main_rank():
         return
     payload = {"model": model_name, "device": model.device.type, "dtype": str(model.dtype).removeprefix("torch."),
                "prompt": prompt, "max_new_tokens": max_new_tokens, "path": gen_path, "versions": versions(),
                "results": [{**asdict(r), "tokens_per_s": r.tokens_per_s} for r in results]}
-    write_json(path, payload)
+    save_run(path.parent, {path.name: json_bytes(payload)})
     console.print(f"wrote {path}", highlight=False)
 
 
-@cli.command(help="The main job on the embedded model: the perplexity comparison, then Full vs Sift generation.")
-@click.option("--seq-len", default=1024, show_default=True, type=click.IntRange(min=2))
-@click.option("--num-seqs", default=2, show_default=True, type=click.IntRange(min=1))
+@cli.command(help="The main job on the embedded model: the perplexity comparison of the README's table (sift ppl "
+             "with nine methods, 2 windows of 1024 tokens; about 5 min on 2 CPU cores), then Full vs Sift generation.",
+             short_help="The README's perplexity table, then Full vs Sift generation.")
+@click.option("--seq-len", default=1024, show_default=True, type=click.IntRange(min=2), help="tokens per window")
+@click.option("--num-seqs", default=2, show_default=True, type=click.IntRange(min=1), help="number of windows")
 @click.option("--max-new-tokens", default=96, show_default=True, type=click.IntRange(min=1))
-@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("runs/demo"), show_default=True)
+@click.option("--out", type=OutDir(), default=Path("runs/demo"), show_default=True, help="directory for sift ppl's files")
 def demo(seq_len: int, num_seqs: int, max_new_tokens: int, out: Path) -> None:
     from .data import load_corpus
-    from .report import check_out_dir
+    from .report import claim_out_dir
 
     load_corpus("wikitext2")  # shipped in the package: the README's table on any machine
-    check_out_dir(out)
-    model, tokenizer = _load("smollm2-135m")
-    run_ppl("smollm2-135m", "wikitext2", None, seq_len, num_seqs, tuple(DEMO_METHODS), out, loaded=(model, tokenizer))
-    _print_generations(model, tokenizer, PAPER_PROMPT, ("full", "sift:tau=0.875,warmup=16"), max_new_tokens)
+    with claim_out_dir(out):
+        model, tokenizer = _load("smollm2-135m")
+        run_ppl("smollm2-135m", "wikitext2", None, seq_len, num_seqs, tuple(DEMO_METHODS), out, loaded=(model, tokenizer))
+        _print_generations(model, tokenizer, PAPER_PROMPT, ("full", "sift:tau=0.875,warmup=16"), max_new_tokens)
 
 
-@cli.command(name="models", help="List the embedded models (no hub needed) and whether each is installed.")
+@cli.command(name="models", help="List the embedded models (no hub needed) and whether each is installed.",
+             short_help="The embedded models and whether each is installed.")
 def list_models() -> None:
     from .models import EMBEDDED
 
@@ -360,24 +385,16 @@ for _command in eval_commands:
     cli.add_command(_command)
 
 
-# Errors a user can cause: one line on stderr, exit status 2, no traceback.
-def _user_errors() -> tuple[type[BaseException], ...]:
-    from .data import DataNotFoundError
-    from .hf import AlreadyAppliedError, UnsupportedModelError
-    from .models import ModelNotFoundError
-
-    return (SpecError, ValueError, DataNotFoundError, ModelNotFoundError, UnsupportedModelError, AlreadyAppliedError, FileNotFoundError)
-
-
 def _error_line(message: str) -> None:
     line = " ".join(message.split()) or "unknown error"
     err_console.print(f"sift: error: {line}", highlight=False, markup=False, soft_wrap=True)
 
 
 def main(argv: list[str] | None = None) -> None:
-    """The ``sift`` entry point: a user error is one line on stderr and exit status 2."""
+    """The ``sift`` entry point: a user error is one line on stderr and exit status 2; a warning is one line too."""
     try:
-        cli.main(args=argv, prog_name="sift", standalone_mode=False)
+        with one_line_warnings(err_console):
+            cli.main(args=argv, prog_name="sift", standalone_mode=False)
     except click.exceptions.NoArgsIsHelpError as err:  # plain `sift`: the help, not an error
         click.echo(err.ctx.get_help())
         sys.exit(0)
@@ -389,7 +406,7 @@ def main(argv: list[str] | None = None) -> None:
     except click.exceptions.Abort:
         err_console.print("sift: aborted")
         sys.exit(130)
-    except _user_errors() as err:
+    except user_errors() as err:
         _error_line(str(err) or type(err).__name__)
         sys.exit(2)
 

@@ -14,8 +14,10 @@ from typing import Any, Sequence
 import click
 from rich.console import Console
 
-from .methods import SPEC_HELP
-from .report import check_out_dir
+from .cli_common import DTYPES, OutDir, user_errors
+from .methods import SPEC_HELP, parse_methods
+from .progress import progress, status
+from .report import claim_out_dir
 
 console = Console(width=None if sys.stdout.isatty() else 160)
 err_console = Console(stderr=True)
@@ -31,11 +33,7 @@ class EvalError(click.ClickException):
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
-    from .hf import UnsupportedModelError
-    from .models import ModelNotFoundError
-
-    # ValueError covers SpecError, TaskDataError and RunMismatchError; FileNotFoundError covers DataNotFoundError.
-    return (ValueError, FileNotFoundError, ImportError, ModelNotFoundError, UnsupportedModelError)
+    return (*user_errors(), ImportError)  # ImportError: lm-eval, the checkers' package, is not installed
 
 
 def resolve_device(device: str) -> str:
@@ -55,7 +53,6 @@ def resolve_device(device: str) -> str:
     return device
 
 
-DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
 
 def load_for_eval(model_name: str, device: str, dtype: str):
@@ -65,7 +62,7 @@ def load_for_eval(model_name: str, device: str, dtype: str):
 
     if dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    with console.status(f"loading {model_name} ..."):
+    with status(console, f"loading {model_name} ..."):
         start = time.perf_counter()
         model, tokenizer = load_model(model_name, dtype=getattr(torch, dtype), device=resolve_device(device))
     console.print(f"model: {model_name} ({type(model).__name__}, {dtype}, {model.device}) loaded in {time.perf_counter() - start:.1f} s")
@@ -78,7 +75,7 @@ def load_tokenizer(model_name: str):
 
     from .models import EMBEDDED
 
-    with console.status(f"loading the tokenizer of {model_name} ..."):
+    with status(console, f"loading the tokenizer of {model_name} ..."):
         if model_name in EMBEDDED:
             directory, gguf_file = EMBEDDED[model_name].locate()
             return AutoTokenizer.from_pretrained(str(directory), gguf_file=gguf_file)
@@ -86,17 +83,14 @@ def load_tokenizer(model_name: str):
 
 
 def progress_bar():
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
-    columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn()]
-    return Progress(*columns, console=console)
+    return progress(console)
 
 
 def run_eval(task_name: str, model_name: str, specs: Sequence[str], *, out: Path, limit: int | None, max_new_tokens: int | None,
              batch_size: int, data_path: Path | None, task_options: dict[str, Any], chat: bool, min_new_tokens: int | None,
              device: str, dtype: str, path: str, score: bool = True, decode: bool = True, loaded=None) -> list[dict]:
     """Check everything cheap, load the model, evaluate with a progress bar, print the table."""
-    from .eval.generation_eval import EvalSettings, check_run, check_settings, evaluate_generation, run_key, with_full
+    from .eval.generation_eval import EvalSettings, check_settings, with_full
     from .eval.tasks import get_task
 
     methods = with_full(specs)  # a bad spec fails before anything else
@@ -106,24 +100,31 @@ def run_eval(task_name: str, model_name: str, specs: Sequence[str], *, out: Path
     check_settings(settings)
     if decode and loaded is None:
         resolve_device(device)
-    check_out_dir(out)
+    with claim_out_dir(out):  # held until the summaries are written: one run at a time appends to the samples
+        return _eval(task, model_name, methods, out, data_path, settings, device, dtype, decode, loaded)
+
+
+def _eval(task, model_name: str, methods: list, out: Path, data_path: Path | None, settings, device: str, dtype: str,
+          decode: bool, loaded) -> list[dict]:
+    from .eval.generation_eval import check_run, evaluate_generation, run_key
+
     data = task.load(data_path)
     check_run(out / task.name, run_key(task, data, settings))
-    n = min(limit or len(data.samples), len(data.samples))
+    n = min(settings.limit or len(data.samples), len(data.samples))
     console.print(f"task: {task.name}, {n} of {len(data.samples)} samples from {data.source}; methods: {', '.join(s for s, _ in methods)}")
     if decode:
         model, tokenizer = loaded or load_for_eval(model_name, device, dtype)
     else:  # scoring finished samples needs the tokenizer's prompts only, never the weights
         model, tokenizer = loaded or (None, load_tokenizer(model_name))
     start = time.perf_counter()
-    with progress_bar() as progress:
-        bar = progress.add_task(task.name, total=len(methods) * n)
+    with progress_bar() as bars:
+        bar = bars.add_task(task.name, total=len(methods) * n)
         offsets: dict[str, int] = {}
 
         def on_progress(spec: str, done: int, total: int) -> None:
             if spec not in offsets:
                 offsets[spec] = len(offsets) * total
-            progress.update(bar, completed=offsets[spec] + done, description=f"{task.name} [{spec}]")
+            bars.update(bar, completed=offsets[spec] + done, description=f"{task.name} [{spec}]")
 
         summaries = evaluate_generation(model, tokenizer, task, data, [s for s, _ in methods], out, settings, on_progress=on_progress)
     print_summaries(task.name, summaries, title=f"{model_name} / {task.name} ({n} samples, max {settings.max_new_tokens} new tokens)")
@@ -153,21 +154,22 @@ def _wrap_user_errors(fn, *args, **kwargs):
     name="eval",
     help="Evaluate methods on a generation task (ifeval, math-hard, longgen, longgen-wu): batched greedy decoding with "
     "the chat template, per-sample JSONL and a summary per method in OUT/TASK/, resumable.\n\n\b\n" + SPEC_HELP,
+    short_help="Methods on a generation task (ifeval, math-hard, longgen).",
 )
 @click.argument("task_name", metavar="TASK")
 @click.option("--model", "model_name", default="smollm2-135m", show_default=True, help="embedded name, local directory or hub id")
-@click.option("--method", "specs", multiple=True, required=True, help="method spec, repeatable; Full always runs (agreement)")
+@click.option("--method", "specs", multiple=True, required=True, help="method spec, repeatable, each method once; Full always runs (agreement)")
 @click.option("--limit", type=int, default=None, help="the first N samples [default: all]")
 @click.option("--max-new-tokens", type=int, default=None, help="generation cap [default: the task's: ifeval 1280, math-hard 1024, longgen 4096]")
 @click.option("--batch-size", type=int, default=8, show_default=True)
-@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("runs/eval"), show_default=True)
+@click.option("--out", type=OutDir(), default=Path("runs/eval"), show_default=True, help="directory for OUT/TASK/ (created if missing)")
 @click.option("--data-file", type=click.Path(path_type=Path), default=None, help="the task's data file (JSONL, or the LongGenBench file)")
 @click.option("--data-dir", type=click.Path(path_type=Path), default=None, help="a directory with the LongGenBench files (gsm8k/, spinning-golden-thread/)")
 @click.option("--task-option", "task_options", multiple=True, help="KEY=VALUE, repeatable: longgen k=35, math-hard fewshot=4")
 @click.option("--chat/--no-chat", default=True, show_default=True, help="prompt through the tokenizer's chat template")
 @click.option("--min-new-tokens", type=int, default=None, help="'valid' samples generated at least this many tokens [default: the largest warmup]")
-@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda")
-@click.option("--dtype", default="float32", show_default=True, help="float32, bfloat16, float16")
+@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N")
+@click.option("--dtype", type=click.Choice(DTYPES), default="float32", show_default=True, help="the weights' precision")
 @click.option("--path", "gen_path", type=click.Choice(["auto", "fast", "reference"]), default="auto", show_default=True,
               help="decode path: the fast loop (siftattention.generation) or transformers' generate")
 @click.option("--score/--no-score", default=True, show_default=True,
@@ -182,6 +184,7 @@ def eval_command(task_name: str, model_name: str, specs: tuple[str, ...], limit:
             raise ValueError("give --data-file or --data-dir, not both")
         if limit is not None and limit < 1:
             raise ValueError(f"--limit must be >= 1, got {limit}")
+        parse_methods(specs)
         run_eval(task_name, model_name, specs, out=out, limit=limit, max_new_tokens=max_new_tokens, batch_size=batch_size,
                  data_path=data_file or data_dir, task_options=parse_options(task_options), chat=chat, min_new_tokens=min_new_tokens,
                  device=device, dtype=dtype, path=gen_path, score=score)
@@ -190,9 +193,10 @@ def eval_command(task_name: str, model_name: str, specs: tuple[str, ...], limit:
 
 
 @click.command(name="sweep", help="Run a grid of tasks x methods x parameters from a TOML file (see docs/eval.md); "
-               "resumable (finished samples and cells are skipped); writes sweep.json, sweep.md and the paper's figures.")
+               "resumable (finished samples and cells are skipped); writes sweep.json, sweep.md and the paper's figures.",
+               short_help="A grid of tasks x methods from a TOML file, with figures.")
 @click.argument("config", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None, help="overrides the config's out")
+@click.option("--out", type=OutDir(), default=None, help="overrides the config's out")
 @click.option("--plots-only", is_flag=True, help="redraw the figures and tables from the finished cells, decode nothing")
 @click.option("--score-only", is_flag=True, help="score and summarise the finished samples (decoded elsewhere), decode nothing")
 @click.option("--score/--no-score", "score", default=None, help="override the config's score")
@@ -205,25 +209,27 @@ def sweep_command(config: Path, out: Path | None, plots_only: bool, score_only: 
             sweep.out = out
         if score is not None:
             sweep.score = score
-        check_out_dir(Path(sweep.out))
-        run_sweep(sweep, plots_only=plots_only, decode=not score_only)
+        with claim_out_dir(sweep.out):
+            run_sweep(sweep, plots_only=plots_only, decode=not score_only)
 
     _wrap_user_errors(run)
 
 
 @click.command(name="lm-eval", help="Run lm-evaluation-harness tasks on the model with a method applied (HFLM on the patched "
-               "model): generation tasks decode with the method in decode mode, loglikelihood tasks run teacher-forced.\n\n\b\n" + SPEC_HELP)
+               "model): generation tasks decode with the method in decode mode, loglikelihood tasks run teacher-forced.\n\n\b\n" + SPEC_HELP,
+               short_help="lm-evaluation-harness tasks on the model with a method applied.")
 @click.option("--tasks", required=True, help="comma-separated lm-eval task names")
-@click.option("--model", "model_name", default="smollm2-135m", show_default=True)
-@click.option("--method", "specs", multiple=True, default=("full",), show_default=True, help="method spec, repeatable: one lm-eval run each")
+@click.option("--model", "model_name", default="smollm2-135m", show_default=True, help="embedded name, local directory or hub id")
+@click.option("--method", "specs", multiple=True, default=("full",), show_default=True,
+              help="method spec, repeatable, each method once: one lm-eval run each")
 @click.option("--limit", type=int, default=None, help="samples per task")
 @click.option("--batch-size", type=int, default=8, show_default=True)
 @click.option("--num-fewshot", type=int, default=None)
 @click.option("--include-path", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None, help="extra task YAML directory")
 @click.option("--apply-chat-template/--no-apply-chat-template", default=False, show_default=True)
-@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("runs/lm-eval"), show_default=True)
-@click.option("--device", default="auto", show_default=True)
-@click.option("--dtype", default="float32", show_default=True)
+@click.option("--out", type=OutDir(), default=Path("runs/lm-eval"), show_default=True, help="directory for one METHOD.json per method")
+@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N")
+@click.option("--dtype", type=click.Choice(DTYPES), default="float32", show_default=True, help="the weights' precision")
 def lm_eval_command(tasks: str, model_name: str, specs: tuple[str, ...], limit: int | None, batch_size: int, num_fewshot: int | None,
                     include_path: Path | None, apply_chat_template: bool, out: Path, device: str, dtype: str) -> None:
     from .eval.lm_eval_bridge import run_lm_eval
@@ -231,9 +237,10 @@ def lm_eval_command(tasks: str, model_name: str, specs: tuple[str, ...], limit: 
     def run() -> None:
         if limit is not None and limit < 1:
             raise ValueError(f"--limit must be >= 1, got {limit}")
-        check_out_dir(out)
-        run_lm_eval(tasks, model_name, specs, limit=limit, batch_size=batch_size, num_fewshot=num_fewshot, include_path=include_path,
-                    apply_chat_template=apply_chat_template, out=out, device=device, dtype=dtype, console=console)
+        parse_methods(specs)
+        with claim_out_dir(out):
+            run_lm_eval(tasks, model_name, specs, limit=limit, batch_size=batch_size, num_fewshot=num_fewshot, include_path=include_path,
+                        apply_chat_template=apply_chat_template, out=out, device=device, dtype=dtype, console=console)
 
     _wrap_user_errors(run)
 

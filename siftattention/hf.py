@@ -32,6 +32,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .attention import LayerRecord, exact_attention, is_causal_block, method_attention, valid_keys
+from .inputs import check_token_inputs
 from .kernels.plan import BACKENDS
 from .methods.base import KeyRange, Method
 from .models import warn_beyond_positions
@@ -183,7 +184,9 @@ class SiftHandle:
         self._plans: dict[tuple, Any] = {}
         self._keys: dict[tuple, tuple] = {}  # this forward's decode key ranges: (mask id, keys, batch, device) -> (mask, KeyRange)
         self._keys_layer = -1  # the layer that formed or read them last
-        self._previous = getattr(model, "config", None) and model.config._attn_implementation
+        #: Every config's attention implementation as it was, written back by ``remove`` as is: going
+        #: through ``set_attn_implementation`` would re-check it (flash_attention_2 without flash-attn fails).
+        self._restore = _attention_settings(model)
         #: The process group sharding the heads under tensor parallelism (statistics gather over it), else None.
         self.tp_group = tensor_parallel_group(model)
         self._installed = False
@@ -216,6 +219,9 @@ class SiftHandle:
 
         @functools.wraps(original)
         def generate(*args: Any, **kwargs: Any) -> Any:
+            ids = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
+            if isinstance(ids, torch.Tensor):
+                check_token_inputs(self.model, ids, kwargs.get("attention_mask"))
             self.reset()
             self.decoding = True
             self.prompt_len = _prompt_length(args, kwargs)
@@ -239,10 +245,14 @@ class SiftHandle:
         AttentionMaskInterface._global_mapping.pop(self.name, None)
 
     def remove(self) -> None:
-        """Restore the model's previous attention implementation and ``generate``, and forget the method."""
+        """Restore the model's previous attention implementation and ``generate``, and forget the method.
+
+        Never fails: it writes back what ``apply`` found, checking nothing.
+        """
         if not self._installed:
             return
-        self.model.set_attn_implementation(self._previous)
+        for config, attr, value in self._restore:
+            setattr(config, attr, value)
         self.model.__dict__.pop("generate", None)
         self.model.__dict__.pop("_reorder_cache", None)
         self.model.__dict__.pop(_HANDLE_ATTR, None)
@@ -456,6 +466,23 @@ class SiftHandle:
             self._plans[sig] = plan
             return plan, True
         return plan, False
+
+
+def _attention_settings(model: torch.nn.Module) -> list[tuple[Any, str, Any]]:
+    """(config, attribute, value) of the attention implementation of every config of ``model``:
+    its own, its sub-configs' (at any depth) and its sub-models'."""
+    configs: dict[int, Any] = {}
+    pending = [getattr(model, "config", None)] + [getattr(m, "config", None) for m in model.modules() if m is not model]
+    while pending:
+        config = pending.pop()
+        if config is None or id(config) in configs or not hasattr(config, "_attn_implementation"):
+            continue
+        configs[id(config)] = config
+        pending += [getattr(config, key, None) for key in getattr(config, "sub_configs", {})]
+    # transformers keeps the value in ``_attn_implementation_internal`` behind a property that resolves defaults
+    attr = "_attn_implementation_internal"
+    return [(c, attr, vars(c)[attr]) if attr in vars(c) else (c, "_attn_implementation", c._attn_implementation)
+            for c in configs.values()]
 
 
 def _model_attention(model: PreTrainedModel) -> Any:

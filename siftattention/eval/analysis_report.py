@@ -18,6 +18,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ..output import save_figure, write_text
 from .analysis import AnalysisResult
 
 #: What the paper reports (Section 3, Figures 2-3; Appendix A), for side-by-side tables.
@@ -98,9 +99,7 @@ def plot_series_samples(result: AnalysisResult, path: Path, every: int = 10) -> 
         if result.sliding_window and result.layer_types and result.layer_types[layer] == "sliding_attention":
             ax.axvline(result.sliding_window, color="grey", ls=":", lw=1)
     fig.suptitle(f"Attention quantiles and power-law fits (every {every}th step shown): {_title(result)}", fontsize=10)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=110)
 
 
 def plot_r2_box(result: AnalysisResult, path: Path) -> Path:
@@ -120,9 +119,7 @@ def plot_r2_box(result: AnalysisResult, path: Path) -> Path:
     ax.set_title(f"R² over windows × layers × heads\n{_title(result)}\nbox 25-75%, line median, whiskers 5-95%", fontsize=9)
     ax.set_ylim(min(0.0, min(s["whislo"] for s in stats) - 0.05), 1.02)
     ax.legend(fontsize=7, loc="lower left")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=110)
 
 
 def plot_warmup_box(result: AnalysisResult, path: Path, ymin: float = WARMUP_YMIN, layer_kind: str | None = None) -> Path:
@@ -162,9 +159,7 @@ def plot_warmup_box(result: AnalysisResult, path: Path, ymin: float = WARMUP_YMI
     which = f", {TYPE_LABELS.get(layer_kind, layer_kind)} layers only ({len(layers)})" if layer_kind else ""
     ax.set_title(f"Warmup-fit R² (box 25-75%, median, whiskers 5-95%)\n{_title(result)}{which}\n{note}", fontsize=8.5)
     ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=110)
 
 
 def plot_beta_heatmap(result: AnalysisResult, path: Path) -> Path:
@@ -188,9 +183,7 @@ def plot_beta_heatmap(result: AnalysisResult, path: Path) -> Path:
             ax.set_ylabel("layer" + (" (G global, S sliding)" if result.layer_types else ""))
     fig.colorbar(im, ax=axes[0].tolist(), label="median β over windows (θ_S ≈ α·S^-β)")
     fig.suptitle(f"Power-law exponent β per layer and head: {_title(result)}", fontsize=9)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=110)
 
 
 def plot_r2_by_layer_type(result: AnalysisResult, path: Path) -> Path | None:
@@ -226,9 +219,7 @@ def plot_r2_by_layer_type(result: AnalysisResult, path: Path) -> Path | None:
     ax.set_ylabel("R² of the power-law fit (log space)")
     ax.set_title(f"R² by layer type (box 25-75%, median, whiskers 5-95%)\n{_title(result)}; S = generation step", fontsize=9)
     ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=110)
 
 
 #: Every file this module may write; ``warmup_r2_box_<layer type>.png`` come on top.
@@ -371,6 +362,4 @@ def write_report(result: AnalysisResult, out_dir: Path, figures: dict[str, Path]
             entry = summary["per_layer"][tk][str(layer)]
             cells += [f"{entry['beta_median']:.3f}", _f(entry["r2_median"])]
         lines.append(f"| {layer}{kind} | " + " | ".join(cells) + " |")
-    path = out_dir / "report.md"
-    path.write_text("\n".join(lines) + "\n")
-    return path
+    return write_text(out_dir / "report.md", "\n".join(lines) + "\n")

@@ -34,6 +34,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..methods import Full, Method, parse_method
+from ..output import OutputWriteError, json_bytes, json_line, save_run, write_bytes, write_json
 from .tasks import Sample, Task, TaskData, agreement
 from .tasks.base import mean
 
@@ -132,12 +133,14 @@ def generate_batch(model, input_ids: torch.Tensor, mask: torch.Tensor, method: M
     import warnings
 
     from ..generation import generate, reference_generate
+    from ..notices import FallbackWarning
 
     if path not in ("auto", "fast", "reference"):
         raise ValueError(f"path must be auto, fast or reference, got {path!r}")
     run = reference_generate if path == "reference" else generate
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the fast path's one-line fallback notice; `fast` is recorded per sample
+        # The fast path's fallback notice: `fast` is recorded per sample. Every other warning shows.
+        warnings.filterwarnings("ignore", category=FallbackWarning)
         res = run(model, input_ids, mask, method, max_new_tokens=max_new_tokens, eos_token_id=eos_ids, pad_token_id=pad_id)
     num = res.num_generated.cpu()
     new = res.new_tokens.cpu()
@@ -193,9 +196,22 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
 
 
 def append_rows(path: Path, rows: Sequence[dict[str, Any]]) -> None:
-    with path.open("a", encoding="utf-8") as f:
-        f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
-        f.flush()
+    """Add finished samples to ``path``, all of them or (the disk refusing) none: the file is cut back."""
+    data = "".join(json_line(r) + "\n" for r in rows).encode("utf-8")
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+    try:
+        size = os.fstat(fd).st_size
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        except OSError as err:
+            os.ftruncate(fd, size)
+            reason = err.strerror or type(err).__name__
+            raise OutputWriteError(f"could not write {path} ({reason})", path, reason) from None
+    finally:
+        os.close(fd)
 
 
 def run_key(task: Task, data: TaskData, settings: "EvalSettings") -> dict[str, Any]:
@@ -221,9 +237,7 @@ def rescore(task: Task, samples: dict[str, Sample], path: Path, rows: dict[str, 
     for row in everything:
         if row["id"] in rows:
             row["scores"] = rows[row["id"]]["scores"]
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in everything), encoding="utf-8")
-    os.replace(tmp, path)
+    write_bytes(path, "".join(json_line(r) + "\n" for r in everything).encode("utf-8"))
 
 
 def check_run(task_dir: Path, run: dict[str, Any]) -> None:
@@ -347,7 +361,10 @@ def evaluate_generation(
     task_dir = Path(out) / task.name
     check_run(task_dir, run)
     task_dir.mkdir(parents=True, exist_ok=True)
-    (task_dir / "run.json").write_text(json.dumps({**run, "data_source": data.source}, indent=2) + "\n")
+    try:
+        write_json(task_dir / "run.json", {**run, "data_source": data.source})
+    except OutputWriteError as err:
+        raise OutputWriteError(f"{err}; nothing was decoded or saved", err.path, err.reason) from None
     min_new = settings.min_new_tokens if settings.min_new_tokens is not None else max(m.warmup for _, m in methods)
 
     if model is None and settings.decode:
@@ -364,6 +381,7 @@ def evaluate_generation(
 
     full_tokens: dict[str, list[int]] = {}
     summaries = []
+    files: dict[str, bytes] = {}  # the summaries, written together at the end
     for spec, method in methods:
         path = task_dir / f"{method_slug(method)}.jsonl"
         rows = {r["id"]: r for r in read_rows(path) if r["id"] in wanted}
@@ -403,7 +421,11 @@ def evaluate_generation(
                 }
                 rows[sample.id] = row
                 new_rows.append(row)
-            append_rows(path, new_rows)
+            try:
+                append_rows(path, new_rows)
+            except OutputWriteError as err:
+                raise OutputWriteError(f"{err}; saved: {len(rows) - len(new_rows)} finished samples of {spec} in that file "
+                                       "and the methods before it; the same command resumes from there", path, err.reason) from None
             if on_progress:
                 on_progress(spec, len(rows), len(samples))
         if len(rows) < len(samples):  # only without decoding: an unfinished cell is left out
@@ -411,11 +433,15 @@ def evaluate_generation(
         ordered = [rows[s.id] for s in samples]
         if method.name == "full":
             full_tokens = {r["id"]: r["tokens"] for r in ordered}
-        summary = summarize(task, spec, method, ordered, min_new, context)
-        (task_dir / f"{method_slug(method)}.summary.json").write_text(json.dumps(summary, indent=2, allow_nan=True) + "\n")
-        summaries.append(summary)
+        summaries.append(summarize(task, spec, method, ordered, min_new, context))
+        files[f"{method_slug(method)}.summary.json"] = json_bytes(summaries[-1])
     combined = {**context, "task": task.name, "min_new_tokens": min_new, "methods": summaries}
-    (task_dir / "summary.json").write_text(json.dumps(combined, indent=2, allow_nan=True) + "\n")
+    try:
+        save_run(task_dir, {**files, "summary.json": json_bytes(combined)})
+    except OutputWriteError as err:
+        raise OutputWriteError(f"could not write {err.path} ({err.reason}); the summaries were not written, every finished "
+                               f"sample is saved in {task_dir}/*.jsonl, and the same command writes them without decoding "
+                               "again", err.path, err.reason) from None
     return summaries
 
 

@@ -12,7 +12,6 @@ step-weighted mean, reported beside lm-eval's metrics.
 from __future__ import annotations
 
 import functools
-import json
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -122,11 +121,12 @@ def run_lm_eval(tasks: str, model_name: str, specs: Sequence[str], *, limit: int
                 include_path: Path | None, apply_chat_template: bool, out: Path, device: str, dtype: str, console) -> list[dict[str, Any]]:
     """``sift lm-eval``: one lm-eval run per method; writes ``out/<method>.json`` and prints a table."""
     from ..cli_eval import load_for_eval
-    from ..methods import parse_method
+    from ..methods import parse_methods
+    from ..output import OutputWriteError, write_json
     from ..report import versions
     from .generation_eval import method_slug
 
-    methods = [(spec, parse_method(spec)) for spec in specs]
+    methods = parse_methods(specs)
     names = [t.strip() for t in tasks.split(",") if t.strip()]
     if not names:
         raise ValueError("--tasks names no task")
@@ -140,8 +140,11 @@ def run_lm_eval(tasks: str, model_name: str, specs: Sequence[str], *, limit: int
         result = evaluate_lm_eval(model, tokenizer, method, names, limit=limit, batch_size=batch_size, num_fewshot=num_fewshot,
                                   include_path=include_path, apply_chat_template=apply_chat_template)
         payload = {"model": model_name, "method": spec, "tasks": names, "limit": limit, "versions": versions(), **result}
-        out.mkdir(parents=True, exist_ok=True)
-        (out / f"{method_slug(method)}.json").write_text(json.dumps(payload, indent=2, default=str, allow_nan=True) + "\n")
+        try:
+            write_json(out / f"{method_slug(method)}.json", payload)
+        except OutputWriteError as err:
+            saved = ", ".join(str(out / f"{method_slug(m)}.json") for _, m in methods[: len(payloads)]) or "nothing"
+            raise OutputWriteError(f"{err}; saved: {saved}", err.path, err.reason) from None
         payloads.append(payload)
         for task, metrics in result["results"].items():
             for key, value in metrics.items():

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..methods import METHODS, parse_method
+from ..output import json_bytes, save_figure, save_run
 from .tasks import get_task
 
 try:
@@ -133,6 +134,8 @@ def load_sweep(path: Path) -> Sweep:
                                dict(entry.get("options", {})), Path(data) if data else None))
     if not tasks:
         raise ValueError(f"{path}: no [[task]] tables")
+    if not isinstance(config.get("out", "runs/sweep"), str) or not config.get("out", "runs/sweep").strip():
+        raise ValueError(f"{path}: out must name a directory, got {config.get('out')!r}")  # Path("") is the current directory
     return Sweep(model=config.get("model", "smollm2-135m"), out=Path(config.get("out", "runs/sweep")), specs=specs, tasks=tasks,
                  batch_size=int(config.get("batch_size", 8)), device=config.get("device", "auto"), dtype=config.get("dtype", "float32"),
                  chat=bool(config.get("chat", True)), path=config.get("path", "auto"), score=bool(config.get("score", True)))
@@ -171,9 +174,8 @@ def run_sweep(sweep: Sweep, *, plots_only: bool = False, decode: bool = True, lo
         if not summary_path.is_file():
             raise FileNotFoundError(f"no results for task {task.name} in {sweep.out} yet: run the sweep without --plots-only")
         cells = _cells(sweep.out / task.name, methods)
-        results["tasks"][task.name] = {"headline": task.headline, "cells": cells}
-        figures = plot_task(task.name, task.headline, cells, sweep.out, sweep.model)
-        results["tasks"][task.name]["figures"] = [str(p) for p in figures]
+        results["tasks"][task.name] = {"headline": task.headline, "cells": cells,
+                                       "figures": [str(sweep.out / name) for name in figure_names(task.name, cells)]}
     previous = sweep.out / "sweep.json"
     if previous.is_file():  # several configs may share one output directory: keep their other tasks
         try:
@@ -182,8 +184,14 @@ def run_sweep(sweep: Sweep, *, plots_only: bool = False, decode: bool = True, lo
             earlier = {}
         if earlier.get("model") == sweep.model:
             results["tasks"] = {**{k: v for k, v in earlier.get("tasks", {}).items() if k not in results["tasks"]}, **results["tasks"]}
-    (sweep.out / "sweep.json").write_text(json.dumps(results, indent=2, allow_nan=True) + "\n")
-    (sweep.out / "sweep.md").write_text(sweep_markdown(results) + "\n")
+    def draw() -> None:
+        for _, task, _ in checked:
+            plot_task(task.name, task.headline, results["tasks"][task.name]["cells"], sweep.out, sweep.model)
+
+    # The tables first (both or neither), then this run's tasks' figures, their earlier ones gone first.
+    stale = [name for _, task, _ in checked for name in figure_names(task.name)]
+    save_run(sweep.out, {"sweep.json": json_bytes(results), "sweep.md": (sweep_markdown(results) + "\n").encode()},
+             figures=draw, stale=stale)
     console.print(f"wrote {sweep.out / 'sweep.json'}, {sweep.out / 'sweep.md'} and the figures")
     return results
 
@@ -195,8 +203,20 @@ def _cells(task_dir: Path, methods) -> list[dict[str, Any]]:
     for _, method in methods:
         path = task_dir / f"{method_slug(method)}.summary.json"
         if path.is_file():
-            cells.append(json.loads(path.read_text()))
+            cells.append(_with_nan(json.loads(path.read_text())))
     return cells
+
+
+def _with_nan(cell: dict[str, Any]) -> dict[str, Any]:
+    """A summary read back: its numbers written as null (NaN: no sample had any) are NaN again, for the plots and tables."""
+    for part in ("all", "valid"):
+        numbers = cell.get(part, {})
+        for key in ("realized_sparsity", "realized_sparsity_post_warmup", "mean_new_tokens", "eos_rate"):
+            if numbers.get(key, 0) is None:
+                numbers[key] = math.nan
+        for group in (numbers.get("metrics") or {}, numbers.get("agreement") or {}):
+            group.update({k: math.nan for k, v in group.items() if v is None})
+    return cell
 
 
 # -- tables and figures ---------------------------------------------------------------------------
@@ -272,6 +292,14 @@ def _families(cells: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, Any]]
     return groups
 
 
+def figure_names(task: str, cells: Sequence[dict[str, Any]] | None = None) -> list[str]:
+    """The figures ``plot_task`` draws for ``task`` from ``cells`` (without cells: every one it may draw)."""
+    names = [f"score_vs_sparsity_{task}.png", f"agreement_vs_sparsity_{task}.png"]
+    if cells is None or any(name.startswith("sift") for name in _families(cells)):
+        names.append(f"realized_vs_intended_{task}.png")
+    return names
+
+
 def plot_task(task: str, headline: str, cells: Sequence[dict[str, Any]], out: Path, model: str) -> list[Path]:
     """The paper's figures for one task: score and agreement against realized sparsity; realized against intended."""
     import matplotlib
@@ -299,9 +327,7 @@ def plot_task(task: str, headline: str, cells: Sequence[dict[str, Any]], out: Pa
         ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
         fig.tight_layout()
         path = out / f"{fname}_{task}.png"
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        paths.append(path)
+        paths.append(save_figure(fig, path, dpi=120))
     sift = {n: g for n, g in groups.items() if n.startswith("sift")}
     if sift:
         fig, ax = plt.subplots(figsize=(6.4, 4.6))
@@ -318,7 +344,5 @@ def plot_task(task: str, headline: str, cells: Sequence[dict[str, Any]], out: Pa
         ax.legend(fontsize=7)
         fig.tight_layout()
         path = out / f"realized_vs_intended_{task}.png"
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        paths.append(path)
+        paths.append(save_figure(fig, path, dpi=120))
     return paths

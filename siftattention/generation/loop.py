@@ -24,9 +24,11 @@ import torch
 
 from ..attention import StepLog
 from ..hf import SiftHandle, SiftStats, apply
+from ..inputs import check_sampling, check_token_id, check_token_inputs
 from ..methods import Full
 from ..methods.base import KeyRange, Method, check_int
 from ..models import warn_beyond_positions
+from ..notices import FallbackWarning
 from ..parallel import device_map_devices
 from .cache import FixedCache
 
@@ -114,15 +116,11 @@ def fast_path_problem(model: torch.nn.Module, method: Method) -> str | None:
     return None
 
 
-def _check_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype not in (torch.long, torch.int):
-        raise ValueError("input_ids must be an integer tensor [batch, prompt_len]")
-    if input_ids.shape[1] == 0:
-        raise ValueError("the prompt is empty")
+def _check_inputs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """The checks both generation paths make before any work; returns the attention mask as integers."""
+    check_token_inputs(model, input_ids, attention_mask)
     if attention_mask is None:
         return torch.ones_like(input_ids)
-    if attention_mask.shape != input_ids.shape:
-        raise ValueError(f"attention_mask {tuple(attention_mask.shape)} and input_ids {tuple(input_ids.shape)} differ in shape")
     mask = attention_mask.long()
     # Left padding only: every row is zeros then ones, ending with a real token.
     if bool((mask[:, 1:] < mask[:, :-1]).any()) or not bool(mask[:, -1].all()):
@@ -141,8 +139,7 @@ class _Sampler:
     """Greedy or sampled next tokens, on the device."""
 
     def __init__(self, do_sample: bool, temperature: float, top_k: int | None) -> None:
-        if do_sample and not temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {temperature!r}")
+        check_sampling(do_sample, temperature, top_k)
         self.do_sample, self.temperature, self.top_k = do_sample, temperature, top_k
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
@@ -349,12 +346,14 @@ def generate(
     """
     method = _check_method(method)
     max_new_tokens = check_int("max_new_tokens", max_new_tokens, 1)
-    mask = _check_inputs(input_ids, attention_mask)
+    mask = _check_inputs(model, input_ids, attention_mask)
     eos_token_id, pad_token_id = _special_tokens(model, eos_token_id, pad_token_id)
     sampler = _Sampler(do_sample, temperature, top_k)
+    prefill_chunk = None if prefill_chunk is None else check_int("prefill_chunk", prefill_chunk, 1)
+    check_every = check_int("check_every", check_every, 1)
     problem = fast_path_problem(model, method)
     if problem is not None:
-        warnings.warn(f"siftattention.generate: using transformers' generate ({problem})", stacklevel=2)
+        warnings.warn(f"siftattention.generate: using transformers' generate ({problem})", FallbackWarning, stacklevel=2)
         return reference_generate(model, input_ids, mask, method, max_new_tokens=max_new_tokens, do_sample=do_sample,
                                   temperature=temperature, top_k=top_k, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
                                   decode_backend=decode_backend, fallback_reason=problem)
@@ -416,6 +415,8 @@ def _special_tokens(model: torch.nn.Module, eos_token_id: Any, pad_token_id: int
     if pad_token_id is None:
         pad_token_id = next((c.pad_token_id for c in configs if getattr(c, "pad_token_id", None) is not None), None)
         pad_token_id = (eos_token_id if isinstance(eos_token_id, int) else 0) if pad_token_id is None else pad_token_id
+    check_token_id(model, "eos_token_id", eos_token_id, embedded=False)
+    check_token_id(model, "pad_token_id", pad_token_id)  # fed back to the model after a row's EOS
     return eos_token_id, pad_token_id
 
 
@@ -438,8 +439,9 @@ def reference_generate(
     ``timings["total_s"]``): the reference path, and ``generate``'s fallback (``fallback_reason``)."""
     method = _check_method(method)
     max_new_tokens = check_int("max_new_tokens", max_new_tokens, 1)
-    mask = _check_inputs(input_ids, attention_mask)
+    mask = _check_inputs(model, input_ids, attention_mask)
     eos_token_id, pad_token_id = _special_tokens(model, eos_token_id, pad_token_id)
+    check_sampling(do_sample, temperature, top_k)
     kwargs = dict(do_sample=do_sample, pad_token_id=pad_token_id, eos_token_id=eos_token_id, max_new_tokens=max_new_tokens, min_new_tokens=0)
     if do_sample:
         kwargs.update(temperature=temperature, top_k=top_k or 0, top_p=1.0)

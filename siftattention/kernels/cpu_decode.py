@@ -39,9 +39,12 @@ _module: ModuleType | None = None
 _problem: str | None = None
 
 
+def _cache_root() -> Path:
+    return Path(os.environ.get("SIFTATTENTION_CACHE") or Path.home() / ".cache" / "siftattention")
+
+
 def _cache_dir() -> Path:
-    root = os.environ.get("SIFTATTENTION_CACHE") or Path.home() / ".cache" / "siftattention"
-    return Path(root) / "cpu_kernel"
+    return _cache_root() / "cpu_kernel"
 
 
 def _cpu_signature() -> bytes:
@@ -78,8 +81,12 @@ def load() -> ModuleType | None:
     if os.environ.get("SIFTATTENTION_CPU_KERNEL", "1") == "0":
         _problem = "switched off by SIFTATTENTION_CPU_KERNEL=0"
         return None
+    root = _cache_root()
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         _problem = "no C++ compiler found"
+    elif next((p for p in (root, *root.parents) if p.exists() and not p.is_dir()), None) is not None:
+        setting = "SIFTATTENTION_CACHE=" if os.environ.get("SIFTATTENTION_CACHE") else "the cache "
+        _problem = f"{setting}{root} is not a directory (a file is in its place)"
     else:
         name = build_name()
         build_dir = _cache_dir() / name
@@ -95,8 +102,10 @@ def load() -> ModuleType | None:
             lines = str(exc).strip().splitlines() or [""]
             _problem = f"the build failed ({type(exc).__name__}: {lines[-1][:200]})"
     if _problem is not None:
+        from ..notices import SiftWarning
+
         warnings.warn(f"siftattention: the fused CPU decode kernel is not used: {_problem}; the torch backend runs instead",
-                      stacklevel=3)
+                      SiftWarning, stacklevel=3)
     return _module
 
 

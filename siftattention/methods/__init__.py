@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import fields
+from typing import Sequence
 
 from .base import Method, Rows, Selection
 from .full import Full
@@ -79,5 +80,24 @@ def parse_method(spec: str) -> Method:
         raise SpecError(f"{name}: {err}") from None
 
 
+def parse_methods(specs: Sequence[str], option: str = "--method") -> list[tuple[str, Method]]:
+    """Each spec with its method; a method given twice (in any spelling) is a SpecError.
+
+    Two runs of one method would print two identical rows, and their results would share
+    one file name where files are named by method.
+    """
+    methods: list[tuple[str, Method]] = []
+    seen: dict[str, str] = {}
+    for spec in specs:
+        method = parse_method(spec)
+        earlier = seen.get(method.spec())
+        if earlier is not None:
+            same = "is given twice" if earlier == spec else f"is the same method as {option} {earlier}"
+            raise SpecError(f"{option} {spec} {same}")
+        seen[method.spec()] = spec
+        methods.append((spec, method))
+    return methods
+
+
 __all__ = ["METHODS", "SPEC_HELP", "CalibrationError", "Full", "H2O", "Method", "Oracle", "Rows", "Selection", "Sift", "SkipSoftmax",
-           "SpecError", "TopK", "TopTheta", "parse_method"]
+           "SpecError", "TopK", "TopTheta", "parse_method", "parse_methods"]

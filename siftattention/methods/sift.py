@@ -27,6 +27,10 @@ from .base import (DecodeOutput, KeyRange, Method, Rows, Selection, check_bool, 
                    select_sequences)
 
 
+#: The longest warmup: its buffers are allocated whole ([batch, heads, warmup] per layer).
+MAX_WARMUP = 65536
+
+
 @dataclass
 class SiftState:
     """Per-(sequence, head) state of one layer."""
@@ -64,6 +68,9 @@ class Sift(Method):
     def __post_init__(self) -> None:
         self.tau = check_fraction("tau", self.tau)
         self.warmup = check_int("warmup", self.warmup, 2)
+        if self.warmup > MAX_WARMUP:
+            # Each layer's state holds a quantile per sequence, head and warmup step from the first forward on.
+            raise ValueError(f"warmup must be at most {MAX_WARMUP} steps, got {self.warmup!r}")
         self.renormalize = check_bool("renormalize", self.renormalize)
         if self.warmup_source not in ("decode", "prefill"):
             raise ValueError(f"warmup_source must be 'decode' or 'prefill', got {self.warmup_source!r}")

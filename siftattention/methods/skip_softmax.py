@@ -36,6 +36,7 @@ def skip_softmax_keep(scores: torch.Tensor, log_lambda: torch.Tensor, block: int
     """Keys in blocks that are not skipped: ``scores`` [B, H, R, K] (-inf at invalid keys),
     ``log_lambda`` broadcastable to [B, H, R]; ``groups`` query heads vote together (1: per head)."""
     B, H, R, K = scores.shape
+    block = min(block, K)  # a block wider than the row is the whole row: never pad to its width
     nb = -(-K // block)
     s = F.pad(scores, (0, nb * block - K), value=float("-inf")).view(B, H, R, nb, block)
     block_max = s.amax(-1)  # [B, H, R, nb]
