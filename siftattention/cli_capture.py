@@ -19,7 +19,7 @@ def _int_list(text: str | None) -> list[int] | None:
 
 @click.command(name="capture", help="Save post-RoPE queries and the key/value caches of a model run on real text "
                "(siftattention.capture): one torch file that bench_decode.py --captured replays.",
-               short_help="Save a model's real attention (queries, KV caches) for kernel benchmarks.")
+               short_help="Save a model's real attention for kernel benchmarks.")
 @click.option("--model", "model_name", default="smollm2-135m", show_default=True, help="embedded name, local directory or hub id")
 @click.option("--dataset", default="wikitext2", show_default=True, help="wikitext2, c4 or wiki")
 @click.option("--data-file", type=click.Path(dir_okay=False), default=None, help="read this text file whole instead")
