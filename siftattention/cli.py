@@ -81,10 +81,12 @@ def run_ppl(
 ) -> dict:
     """Load, evaluate and write ``out/results.json`` (+ the sweep plot); returns the results payload."""
     from .data import load_corpus
+    from .eval.perplexity import check_windows
     from .report import claim_out_dir
 
     # Every cheap check before the model load: specs, data, the output directory (held until the results are written).
     methods = parse_methods(specs)
+    check_windows(methods, seq_len)  # a warmup longer than the window: refused before the model loads
     corpus = load_corpus(dataset, data_file)
     if not corpus.text.strip():
         raise ValueError(f"the corpus is empty ({corpus.source})")

@@ -188,6 +188,8 @@ CLI_ROWS: list[Cli] = [
     Cli("ppl --method sift:tau=0.5,tau=0.9", "'sift:tau=0.5,tau=0.9' gives tau more than once"),
     Cli("ppl --method magic", "unknown method 'magic'"),
     Cli("ppl --method sift:warmup=1", "warmup must be an integer >= 2"),
+    Cli("ppl --method sift:tau=0.875,warmup=64 --seq-len 32", "a warmup of 64 steps leaves no approximated row in a window of 32 tokens"),
+    Cli("demo --seq-len 100 --max-new-tokens 4", "a warmup of 128 steps leaves no approximated row in a window of 100 tokens"),
     Cli("ppl --method topk:k=0", "k must be in (0, 1]"),
     Cli("ppl --method h2o:k=2", "k must be in (0, 1]"),
     Cli("ppl --method oracle:tau=0", "tau must be in (0, 1)"),

@@ -225,24 +225,25 @@ def test_help_shows_whole_summaries_and_what_each_option_means(capsys):
 
 def test_ppl_into_a_pipe_prints_progress_lines_and_strict_json(tmp_path, capsys, embedded, monkeypatch):
     """Off a terminal (captured here, as in `make demo | tee log`), progress comes as plain lines while it
-    runs, never rich's bars; results.json holds null where a value is NaN (no step after the warmup)."""
+    runs, never rich's bars; results.json is strict JSON (a NaN would be written as null: see the
+    write_json row of test_bad_input.py)."""
     from siftattention import progress
     from siftattention.cli import run_ppl
 
     monkeypatch.setattr(progress, "INTERVAL_S", 0.0)
     out = tmp_path / "run"
-    run_ppl("smollm2-135m", "wikitext2", None, 24, 2, ("full", "sift:tau=0.5,warmup=64"), out, loaded=embedded)
+    run_ppl("smollm2-135m", "wikitext2", None, 24, 2, ("full", "sift:tau=0.5,warmup=8"), out, loaded=embedded)
     printed = capsys.readouterr().out
     lines = printed.splitlines()
     assert lines.index("perplexity: 0/4 (0:00 elapsed)") < next(i for i, line in enumerate(lines) if line.startswith("perplexity [full]: 1/4"))
-    assert any(line.startswith("perplexity [sift:tau=0.5,warmup=64]: 4/4") for line in lines)
+    assert any(line.startswith("perplexity [sift:tau=0.5,warmup=8]: 4/4") for line in lines)
     assert not any("perplexity" in line and "━" in line for line in lines)  # no bar drawn at the end
 
     def strict(name):
         raise AssertionError(f"{name} in results.json")
 
     rows = json.loads((out / "results.json").read_text(), parse_constant=strict)["results"]
-    assert rows[1]["ppl_post_warmup"] is None and rows[1]["ppl"] > 0
+    assert rows[1]["ppl_post_warmup"] > 0 and rows[1]["ppl"] > 0
     assert (out / "results.json").stat().st_mode & 0o777 == 0o666 & ~_umask()
 
 
