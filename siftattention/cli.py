@@ -358,9 +358,11 @@ def _write_generations(path: Path, model_name: str, model, prompt: str, max_new_
 @click.option("--out", type=OutDir(), default=Path("runs/demo"), show_default=True, help="directory for sift ppl's files")
 def demo(seq_len: int, num_seqs: int, max_new_tokens: int, out: Path) -> None:
     from .data import load_corpus
+    from .eval.perplexity import check_windows
     from .report import claim_out_dir
 
     load_corpus("wikitext2")  # shipped in the package: the README's table on any machine
+    check_windows(parse_methods(tuple(DEMO_METHODS)), seq_len)  # before the model loads
     with claim_out_dir(out):
         model, tokenizer = _load("smollm2-135m")
         run_ppl("smollm2-135m", "wikitext2", None, seq_len, num_seqs, tuple(DEMO_METHODS), out, loaded=(model, tokenizer))

@@ -760,7 +760,8 @@ def cached_loader(embedded: Callable[[], Any] | None = None) -> Callable[..., An
 
     def load_model(name: str, **_: Any) -> Any:
         if name not in _loaded:
-            _loaded[name] = embedded() if embedded is not None and name == models.DEFAULT_MODEL else real(name)
+            loaded = embedded() if embedded is not None and name == models.DEFAULT_MODEL else None
+            _loaded[name] = loaded if loaded is not None else real(name)
         return _loaded[name]
 
     return load_model
