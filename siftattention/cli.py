@@ -12,7 +12,7 @@ from pathlib import Path
 import click
 from rich.console import Console
 
-from .cli_common import DTYPES, OutDir, one_line_warnings, user_errors
+from .cli_common import DTYPES, OutDir, resolve_device, run_command
 from .methods import SPEC_HELP, parse_method, parse_methods
 from .progress import progress, status
 
@@ -264,7 +264,6 @@ settings, ppl_vs_sparsity.png. One run at a time per --out: a second one stops a
 @click.option("--dtype", type=click.Choice(DTYPES), default="float32", show_default=True, help="the weights' precision")
 def ppl(model_name: str, dataset: str, data_file: str | None, seq_len: int, num_seqs: int, specs: tuple[str, ...], out: Path,
         device: str, dtype: str) -> None:
-    from .cli_eval import resolve_device
 
     run_ppl(model_name, dataset, data_file, seq_len, num_seqs, specs, out, device=resolve_device(device), dtype=dtype)
 
@@ -285,7 +284,6 @@ def ppl(model_name: str, dataset: str, data_file: str | None, seq_len: int, num_
 @click.option("--out", type=OutDir(), default=None, help="also write generations.json into this directory")
 def generate(model_name: str, prompt: str, specs: tuple[str, ...], max_new_tokens: int, gen_path: str, device: str, dtype: str,
              out: Path | None) -> None:
-    from .cli_eval import resolve_device
     from .report import claim_out_dir
 
     parse_methods(specs)
@@ -389,31 +387,9 @@ for _command in eval_commands:
     cli.add_command(_command)
 
 
-def _error_line(message: str) -> None:
-    line = " ".join(message.split()) or "unknown error"
-    err_console.print(f"sift: error: {line}", highlight=False, markup=False, soft_wrap=True)
-
-
 def main(argv: list[str] | None = None) -> None:
     """The ``sift`` entry point: a user error is one line on stderr and exit status 2; a warning is one line too."""
-    try:
-        with one_line_warnings(err_console):
-            cli.main(args=argv, prog_name="sift", standalone_mode=False)
-    except click.exceptions.NoArgsIsHelpError as err:  # plain `sift`: the help, not an error
-        click.echo(err.ctx.get_help())
-        sys.exit(0)
-    except click.ClickException as err:
-        context = getattr(err, "ctx", None)
-        hint = f" (see '{context.command_path} --help')" if isinstance(err, click.UsageError) and context else ""
-        _error_line(err.format_message() + hint)
-        sys.exit(err.exit_code)
-    except click.exceptions.Abort:
-        err_console.print("sift: aborted")
-        sys.exit(130)
-    except user_errors() as err:
-        _error_line(str(err) or type(err).__name__)
-        sys.exit(2)
-
+    run_command(cli, argv, "sift", err_console)
 
 if __name__ == "__main__":
     main()

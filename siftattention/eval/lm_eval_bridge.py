@@ -120,11 +120,11 @@ def evaluate_lm_eval(model, tokenizer, method, tasks: Sequence[str], *, limit: i
 def run_lm_eval(tasks: str, model_name: str, specs: Sequence[str], *, limit: int | None, batch_size: int, num_fewshot: int | None,
                 include_path: Path | None, apply_chat_template: bool, out: Path, device: str, dtype: str, console) -> list[dict[str, Any]]:
     """``sift lm-eval``: one lm-eval run per method; writes ``out/<method>.json`` and prints a table."""
-    from ..cli_eval import load_for_eval
     from ..methods import parse_methods
     from ..output import OutputWriteError, write_json
     from ..report import versions
     from .generation_eval import method_slug
+    from .runner import load_for_eval
 
     methods = parse_methods(specs)
     names = [t.strip() for t in tasks.split(",") if t.strip()]
