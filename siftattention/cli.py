@@ -14,7 +14,7 @@ from rich.console import Console
 
 from .cli_common import DTYPES, OutDir, resolve_device, run_command
 from .methods import SPEC_HELP, parse_method, parse_methods
-from .progress import progress, status
+from .progress import prepare_methods, progress, status
 
 # Piped output (CI logs, `make demo | tee`) gets room for the full method specs in tables.
 console = Console(width=None if sys.stdout.isatty() else 132)
@@ -43,21 +43,6 @@ PAPER_PROMPT = (
     "consciousness and what it means to be human. As tensions rise and alliances shift, the fate of humanity hangs in "
     "the balance, waiting to be written by those bold enough to seize the pen of destiny."
 )
-
-
-def prepare_methods(model, methods: list) -> None:
-    """Each method's once-per-model work (Top-theta's calibration) up front, with a progress bar."""
-    with progress(console, transient=True) as bars:
-        for spec, method in methods:
-            task = None
-
-            def on_progress(done: int, total: int, spec: str = spec) -> None:
-                nonlocal task
-                if task is None:
-                    task = bars.add_task(f"calibrating [{spec}]", total=total)
-                bars.update(task, completed=done)
-
-            method.prepare(model, on_progress)
 
 
 def _load(model_name: str, device: str = "cpu", dtype: str = "float32"):
@@ -106,7 +91,7 @@ def _ppl(model_name: str, dataset: str, corpus, seq_len: int, num_seqs: int, met
     windows = token_windows(corpus.text, tokenizer, seq_len, num_seqs)
     console.print(f"data: {dataset} from {corpus.source}: {num_seqs} windows x {seq_len} tokens")
     start = time.perf_counter()
-    prepare_methods(model, methods)
+    prepare_methods(console, model, methods)
     with progress(console) as bars:
         task = bars.add_task("perplexity", total=len(methods) * num_seqs)
 
@@ -198,7 +183,7 @@ def generate_text(model, tokenizer, prompt: str, spec: str, max_new_tokens: int,
         ids = tokenizer(prompt, return_tensors="pt")
     ids = ids.to(model.device)  # a tensor-parallel rank's model is on that rank's device
     method = parse_method(spec)
-    prepare_methods(model, [(spec, method)])
+    prepare_methods(console, model, [(spec, method)])
     run = reference_generate if path == "reference" else generate
     with warnings.catch_warnings():
         # The fast path's fallback notice is reported as the path's reason; every other warning shows.

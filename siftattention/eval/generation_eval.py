@@ -383,6 +383,7 @@ def evaluate_generation(
             todo = [i for i in batch if samples[i].id not in rows]
             if not todo or not settings.decode:
                 continue
+            method.prepare(model)  # a no-op once done: Top-theta calibrates on its corpus before its first batch
             ids, mask = left_pad([prompts[i] for i in batch], pad_id, device)
             start = time.perf_counter()
             output = generate_batch(model, ids, mask, method, settings.max_new_tokens, eos_ids, pad_id, settings.path)
