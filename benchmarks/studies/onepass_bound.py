@@ -26,7 +26,7 @@ Variants, each checked against a float64 reference (renormalize=False) before it
 A fifth number in a ``--geoms`` entry caps the kernel's registers per thread (``maxnreg``);
 ``--dtype`` takes fp16 and bf16, ``--only`` restricts the variants timed.
 
-    PYTHONPATH=. python3 benchmarks/onepass_bound.py --out onepass.json
+    PYTHONPATH=. python3 benchmarks/studies/onepass_bound.py --out onepass.json
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/, for bench_decode
 import bench_decode as bd  # noqa: E402
 from siftattention.kernels import triton_common, triton_dense  # noqa: E402
 from siftattention.kernels import triton_decode as td  # noqa: E402
