@@ -1,7 +1,7 @@
-"""Triton helpers shared by the decode kernels (``triton_decode``'s passes and
-``triton_quantile``'s select): the launch (or, while compiling ahead, the compilation) of a
-kernel, the dot with the interpreter's bf16 workaround, a row's valid key range, its split
-ranges, and the merge of per-split softmax statistics."""
+"""Triton helpers shared by the decode kernels (the passes, ``triton_quantile``'s select and
+``triton_onepass``): the launch (or, while compiling ahead, the compilation) of a kernel, the dot
+with the interpreter's bf16 workaround, a row's valid key range, its split ranges, the merge of
+per-split softmax statistics, a KV group's query tile, and the anchor keys' statistics."""
 
 from __future__ import annotations
 

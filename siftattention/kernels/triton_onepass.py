@@ -323,7 +323,7 @@ def _onepass_kernel(
 class OnePassPlan:
     """The one-pass anchored sift step for one shape: geometry and scratch once, launched many times.
 
-    ``config``: an ``OnePassConfig``, or a ``triton_decode.KernelConfig`` (the dense
+    ``config``: an ``OnePassConfig``, or a ``triton_config.KernelConfig`` (the dense
     kernel's, which sets the split count; one-pass defaults otherwise), or None.
     """
 
