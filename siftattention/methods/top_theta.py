@@ -5,10 +5,10 @@ the row's valid keys. The thresholds come from a calibration pass over text the 
 never evaluates on, in a step of its own that runs before ``apply``: ``calibrate(model,
 input_ids)`` on given token windows, or ``calibrate_on_corpus(model)`` (what ``prepare``, and so
 the ``sift`` commands, run) on windows of the ``calibration`` corpus. ``apply`` only installs the
-thresholds and refuses a method that has none for the model. For every calibration row with n > k, the (k+1)-th largest score (the
-largest score top-k would drop), averaged over the calibration sequences per (layer, query
-head, n) as ``mean + sigma * std``. A row of a length the calibration never saw takes the
-nearest calibrated one (the longest, beyond it); rows with n <= k keep every key. Layers
+thresholds and refuses a method that has none for the model. For every calibration row with
+n > k, the (k+1)-th largest score (the largest score top-k would drop), averaged over the
+calibration sequences per (layer, query head, n) as ``mean + sigma * std``. A row of a length
+the calibration never saw takes the nearest calibrated one (the longest, beyond it); rows with n <= k keep every key. Layers
 below ``first_layers`` use ``first_k`` (the paper's setting: denser first layers). While
 calibrating, each layer keeps exactly its top-k keys (top-k at calibration), so deeper
 layers are calibrated on the inputs they will see. This follows the authors' released code.
