@@ -80,8 +80,10 @@ def use_kernel_overrides(over: dict) -> None:
     """Every later kernel plan of this process takes ``over`` on top of its device's own launch parameters."""
     from dataclasses import replace
 
-    td._DEFAULT = replace(td._DEFAULT, **over)
-    for device_over in td.DEVICE_CONFIGS.values():
+    from siftattention.kernels import triton_config
+
+    triton_config._DEFAULT = replace(triton_config._DEFAULT, **over)
+    for device_over in triton_config.DEVICE_CONFIGS.values():
         device_over.update(over)
 
 

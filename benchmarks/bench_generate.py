@@ -134,6 +134,26 @@ def free() -> None:
     torch.cuda.empty_cache()
 
 
+def greedy_agreement(model, ids: torch.Tensor, new: int) -> list[dict]:
+    """Per row: how many greedy tokens the dense fast path (``Full()``) shares with transformers' generate on
+    the same model, and where they part, how close transformers' top two logits were there."""
+    from siftattention.eval.tasks.base import common_prefix
+
+    with torch.inference_mode():
+        ref = model.generate(input_ids=ids, max_new_tokens=new, do_sample=False, min_new_tokens=new, eos_token_id=None,
+                             pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+    ours = generate(model, ids, None, Full(), max_new_tokens=new, eos_token_id=-1, pad_token_id=0)
+    rows = []
+    for b, (r, o) in enumerate(zip(ref.sequences[:, ids.shape[1]:].tolist(), ours.new_tokens.tolist())):
+        n = common_prefix(r, o)
+        row = {"agreeing_tokens": n, "of": new}
+        if n < new:
+            top2 = ref.scores[n][b].float().topk(2).values
+            row["top2_logit_gap_at_parting"] = float(top2[0] - top2[1])
+        rows.append(row)
+    return rows
+
+
 def hf_generate(model, ids, new: int) -> dict:
     """transformers' default generate: prefill (1 token) and decode ms/token from a second, longer call."""
     kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None, min_new_tokens=0)

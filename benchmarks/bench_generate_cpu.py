@@ -1,6 +1,6 @@
 """Generation speed on the CPU with the embedded model: what Full() through apply costs, and where Sift stands.
 
-    .venv/bin/python benchmarks/bench_generate_cpu.py --out benchmarks/results/generate_cpu.json
+    .venv/bin/python benchmarks/bench_generate_cpu.py --check --out benchmarks/results/generate_cpu.json
 
 SmolLM2-135M-Instruct (embedded), batch 4, greedy, ``--new`` tokens after a prompt of
 real text (WikiText-2 from the package data). Per prompt length:
@@ -20,6 +20,11 @@ transformers' prefill is the time to the first step's logits and its decode the 
 interval between later steps (a logits processor notes the time of each step); the fast
 loop times its steps itself. Times are medians of ``--repeats`` runs (the 2-core machine is
 noisy); ``sdpa`` and ``apply_full`` runs alternate, so a slow spell hits both.
+
+``--check`` first verifies what is timed: the fused kernel's dense and warmup steps against
+the float64 torch reference and its sparse step against the torch backend's (one layer's
+shape, random K/V), and the fast loop's greedy tokens (``Full()``, the fused kernel) against
+transformers' generate; it stops with status 1 where a kernel is off.
 """
 
 from __future__ import annotations
@@ -133,6 +138,42 @@ def attention_times(model, batch: int, length: int, tau: float, repeats: int) ->
     return {name: statistics.median(t) for name, t in times.items()} | {"sparsity": 1 - kept}
 
 
+def check(model, ids: torch.Tensor, new: int, tau: float, length: int = 2048) -> dict:
+    """The fused kernel's steps against torch references, and the fast loop's tokens against transformers' (see the module doc)."""
+    from siftattention.eval.tasks.base import common_prefix
+    from siftattention.kernels import DecodeKernels
+    from siftattention.kernels.torch_ref import dense_decode_torch, sift_warmup_decode_torch
+
+    cfg = model.config
+    hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
+    gen = torch.Generator().manual_seed(1)
+    batch = ids.shape[0]
+    q = torch.randn(batch, hq, d, generator=gen) * 2
+    k, v = torch.randn(batch, hkv, length, d, generator=gen), torch.randn(batch, hkv, length, d, generator=gen)
+    lens = torch.full((batch,), length, dtype=torch.int32)
+    plans = {b: DecodeKernels.plan(batch=batch, q_heads=hq, kv_heads=hkv, max_len=length, head_dim=d, dtype=torch.float32,
+                                   device=torch.device("cpu"), scale=d**-0.5, backend=b) for b in ("torch", "cpu")}
+    tau64 = torch.full((batch, hq), tau, dtype=torch.float64)
+    out64 = dense_decode_torch(q.double(), k.double(), v.double(), d**-0.5, lens)
+    warm64, theta64 = sift_warmup_decode_torch(q.double(), k.double(), v.double(), tau64, d**-0.5, lens)
+    warm, theta = plans["cpu"].warmup(q, k, v, tau, lens)
+    (sparse, kept), (sparse_ref, kept_ref) = plans["cpu"].sparse(q, k, v, theta, lens), plans["torch"].sparse(q, k, v, theta, lens)
+    errors = {
+        "dense_vs_float64": (plans["cpu"].dense(q, k, v, lens).double() - out64).abs().max().item(),
+        "warmup_vs_float64": (warm.double() - warm64).abs().max().item(),
+        "theta_vs_float64": ((theta.double() - theta64).abs() / theta64.abs().clamp(min=1e-30)).max().item(),
+        "sparse_vs_torch": (sparse - sparse_ref).abs().max().item(),
+        "kept_differ": int((kept != kept_ref).sum()),
+    }
+    kernels_ok = max(v for name, v in errors.items() if name != "kept_differ") < 1e-4 and errors["kept_differ"] == 0
+    with torch.inference_mode():
+        ref = model.generate(input_ids=ids, max_new_tokens=new, do_sample=False, min_new_tokens=new, eos_token_id=None,
+                             pad_token_id=0)[:, ids.shape[1]:].tolist()
+    ours = generate(model, ids, None, Full(), max_new_tokens=new, eos_token_id=-1).new_tokens.tolist()
+    agreeing = [common_prefix(r, o) for r, o in zip(ref, ours)]
+    return {"kernels": errors, "kernels_ok": kernels_ok, "agreeing_tokens": agreeing, "of": new}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--prompts", nargs="+", type=int, default=[512, 2048])
@@ -143,6 +184,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", type=Path, default=Path("bench_generate_cpu.json"))
+    ap.add_argument("--check", action="store_true", help="first verify the fused kernel and the fast loop's tokens (exit 1 if a kernel is off)")
     args = ap.parse_args()
 
     from siftattention.data import load_corpus
@@ -153,6 +195,13 @@ def main() -> None:
     text = load_corpus("wikitext2").text
     all_ids = tokenizer(text[:400_000], return_tensors="pt", add_special_tokens=False).input_ids[0]
     report: dict = {"torch": torch.__version__, "threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d"), "args": vars(args) | {"out": str(args.out)}, "rows": []}
+    if args.check:
+        prompt = min(args.prompts)
+        report["check"] = check(model, torch.stack([all_ids[i * prompt : (i + 1) * prompt] for i in range(args.batch)]), args.new, args.tau)
+        print("check:", json.dumps(report["check"]), flush=True)
+        if not report["check"]["kernels_ok"]:
+            args.out.write_text(json.dumps(report, indent=1))
+            raise SystemExit("check failed: the fused kernel is off (see check.kernels)")
     for prompt in args.prompts:
         ids = torch.stack([all_ids[i * prompt : (i + 1) * prompt] for i in range(args.batch)])
         row = {"prompt": prompt}

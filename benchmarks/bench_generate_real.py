@@ -37,7 +37,8 @@ from siftattention.generation import generate
 from siftattention.models import load_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_generate import attention_share, copy_bandwidth, fast, free, hf_generate, profile_steps, weight_bytes  # noqa: E402
+from bench_generate import (attention_share, copy_bandwidth, fast, free, greedy_agreement, hf_generate, profile_steps,  # noqa: E402
+                            weight_bytes)
 
 METHODS = {
     "dense": lambda a: Full(),
@@ -92,20 +93,7 @@ def agreement(reference: list[list[int]], tokens: list[list[int]]) -> dict:
 
 def check(model, tokens: torch.Tensor, new: int = 64) -> dict:
     """Greedy tokens of the dense fast path against transformers' generate, same model and dtype."""
-    ids = windows(tokens, 2, 512).cuda()
-    with torch.inference_mode():
-        ref = model.generate(input_ids=ids, max_new_tokens=new, do_sample=False, min_new_tokens=new, eos_token_id=None,
-                             pad_token_id=0, output_scores=True, return_dict_in_generate=True)
-    ours = generate(model, ids, None, Full(), max_new_tokens=new, eos_token_id=-1, pad_token_id=0)
-    ref_new, our_new = ref.sequences[:, ids.shape[1]:].tolist(), ours.new_tokens.tolist()
-    rows = []
-    for b, (r, o) in enumerate(zip(ref_new, our_new)):
-        n = common_prefix(r, o)
-        row = {"agreeing_tokens": n, "of": new}
-        if n < new:  # where they part: how close transformers' top two logits were there
-            top2 = ref.scores[n][b].float().topk(2).values
-            row["top2_logit_gap_at_parting"] = float(top2[0] - top2[1])
-        rows.append(row)
+    rows = greedy_agreement(model, windows(tokens, 2, 512).cuda(), new)
     free()
     return {"prompt": 512, "new": new, "rows": rows}
 

@@ -19,6 +19,10 @@ and of the KV cache read once per token at the copy bandwidth measured on it in 
 run); a token's all-reduces alone, replayed from a graph; whether Sift's first new tokens
 equal the dense path's, and how many equal the one-GPU run's (bf16 sums in another order
 flip greedy choices between near-equal logits of random weights).
+
+``--check`` first compares, in every world, the dense fast path's greedy tokens with
+transformers' generate on the same loaded model (2 x 256 prompt tokens, 32 new), so a
+sharding or capture fault shows before anything is timed.
 """
 
 from __future__ import annotations
@@ -38,8 +42,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_generate import (LLAMA_8B, add_planting_args, copy_bandwidth, fast, floor_ms, free, plant_attention, planted_model,  # noqa: E402
-                            profile_steps, set_q_scale, weight_bytes)
+from bench_generate import (LLAMA_8B, add_planting_args, copy_bandwidth, fast, floor_ms, free, greedy_agreement,  # noqa: E402
+                            plant_attention, planted_model, profile_steps, set_q_scale, weight_bytes)
 
 from siftattention import Full, Sift  # noqa: E402
 
@@ -102,6 +106,13 @@ def worker(model_dir: str, options: str, out: str) -> None:
         result["profile"] = profile_steps(model, ids, Full(), new=6)
         if rank == 0:
             print(f"profile of one eager dense decode step, rank 0, {args['settings'][0]}:\n{result['profile']}", flush=True)
+        save()
+    if args["check"]:
+        ids = torch.randint(3, 128000, (2, 256), generator=torch.Generator().manual_seed(1)).to(device)
+        result["check"] = {"prompt": 256, "new": 32, "rows": greedy_agreement(model, ids, 32)}
+        if rank == 0:
+            print(f"world {world} check, dense fast path vs transformers' generate: {result['check']['rows']}", flush=True)
+        free()
         save()
     for setting in [] if args["no_generate"] else args["settings"]:
         batch, prompt = (int(x) for x in setting.split("x"))
@@ -238,6 +249,7 @@ def main() -> None:
     add_planting_args(ap)
     ap.add_argument("--prefill-chunk", type=int, default=8192)
     ap.add_argument("--compile", action="store_true", help="torch.compile the decode step's model code (both paths)")
+    ap.add_argument("--check", action="store_true", help="first compare the dense fast path with transformers' generate in every world")
     ap.add_argument("--profile", action="store_true", help="print the kernels of one eager dense decode step (the first setting)")
     ap.add_argument("--no-generate", action="store_true", help="skip the generation rows (with --profile)")
     ap.add_argument("--single", action=argparse.BooleanOptionalAction, default=True, help="also run the model on one GPU (the reference)")
@@ -257,7 +269,7 @@ def main() -> None:
         ap.error(f"--tp must divide the {shape['num_key_value_heads']} KV heads, got {args.tp}")
     import transformers
 
-    options = {k: getattr(args, k) for k in ("settings", "new", "tau", "warmup", "prefill_chunk", "compile", "profile", "no_generate")}
+    options = {k: getattr(args, k) for k in ("settings", "new", "tau", "warmup", "prefill_chunk", "compile", "profile", "no_generate", "check")}
     report = {"device": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count(), "torch": torch.__version__,
               "transformers": transformers.__version__, "date": time.strftime("%Y-%m-%d"), "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
               "runs": []}
@@ -280,6 +292,9 @@ def main() -> None:
     print(f"planted logit std {args.plant_std}, head correlation {args.head_corr}, tau {args.tau}, warmup {args.warmup}, {args.new} new tokens, "
           f"compile {args.compile}")
     print(table(report))
+    for run in report["runs"]:
+        if "check" in run:
+            print(f"check, world {run['world']}: agreeing tokens {[r['agreeing_tokens'] for r in run['check']['rows']]} of {run['check']['new']}")
 
 
 if __name__ == "__main__":

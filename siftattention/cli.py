@@ -12,9 +12,9 @@ from pathlib import Path
 import click
 from rich.console import Console
 
-from .cli_common import DTYPES, OutDir, one_line_warnings, user_errors
+from .cli_common import DTYPES, OutDir, resolve_device, run_command
 from .methods import SPEC_HELP, parse_method, parse_methods
-from .progress import progress, status
+from .progress import prepare_methods, progress, status
 
 # Piped output (CI logs, `make demo | tee`) gets room for the full method specs in tables.
 console = Console(width=None if sys.stdout.isatty() else 132)
@@ -43,21 +43,6 @@ PAPER_PROMPT = (
     "consciousness and what it means to be human. As tensions rise and alliances shift, the fate of humanity hangs in "
     "the balance, waiting to be written by those bold enough to seize the pen of destiny."
 )
-
-
-def prepare_methods(model, methods: list) -> None:
-    """Each method's once-per-model work (Top-theta's calibration) up front, with a progress bar."""
-    with progress(console, transient=True) as bars:
-        for spec, method in methods:
-            task = None
-
-            def on_progress(done: int, total: int, spec: str = spec) -> None:
-                nonlocal task
-                if task is None:
-                    task = bars.add_task(f"calibrating [{spec}]", total=total)
-                bars.update(task, completed=done)
-
-            method.prepare(model, on_progress)
 
 
 def _load(model_name: str, device: str = "cpu", dtype: str = "float32"):
@@ -106,7 +91,7 @@ def _ppl(model_name: str, dataset: str, corpus, seq_len: int, num_seqs: int, met
     windows = token_windows(corpus.text, tokenizer, seq_len, num_seqs)
     console.print(f"data: {dataset} from {corpus.source}: {num_seqs} windows x {seq_len} tokens")
     start = time.perf_counter()
-    prepare_methods(model, methods)
+    prepare_methods(console, model, methods)
     with progress(console) as bars:
         task = bars.add_task("perplexity", total=len(methods) * num_seqs)
 
@@ -198,7 +183,7 @@ def generate_text(model, tokenizer, prompt: str, spec: str, max_new_tokens: int,
         ids = tokenizer(prompt, return_tensors="pt")
     ids = ids.to(model.device)  # a tensor-parallel rank's model is on that rank's device
     method = parse_method(spec)
-    prepare_methods(model, [(spec, method)])
+    prepare_methods(console, model, [(spec, method)])
     run = reference_generate if path == "reference" else generate
     with warnings.catch_warnings():
         # The fast path's fallback notice is reported as the path's reason; every other warning shows.
@@ -264,7 +249,6 @@ settings, ppl_vs_sparsity.png. One run at a time per --out: a second one stops a
 @click.option("--dtype", type=click.Choice(DTYPES), default="float32", show_default=True, help="the weights' precision")
 def ppl(model_name: str, dataset: str, data_file: str | None, seq_len: int, num_seqs: int, specs: tuple[str, ...], out: Path,
         device: str, dtype: str) -> None:
-    from .cli_eval import resolve_device
 
     run_ppl(model_name, dataset, data_file, seq_len, num_seqs, specs, out, device=resolve_device(device), dtype=dtype)
 
@@ -285,7 +269,6 @@ def ppl(model_name: str, dataset: str, data_file: str | None, seq_len: int, num_
 @click.option("--out", type=OutDir(), default=None, help="also write generations.json into this directory")
 def generate(model_name: str, prompt: str, specs: tuple[str, ...], max_new_tokens: int, gen_path: str, device: str, dtype: str,
              out: Path | None) -> None:
-    from .cli_eval import resolve_device
     from .report import claim_out_dir
 
     parse_methods(specs)
@@ -389,31 +372,9 @@ for _command in eval_commands:
     cli.add_command(_command)
 
 
-def _error_line(message: str) -> None:
-    line = " ".join(message.split()) or "unknown error"
-    err_console.print(f"sift: error: {line}", highlight=False, markup=False, soft_wrap=True)
-
-
 def main(argv: list[str] | None = None) -> None:
     """The ``sift`` entry point: a user error is one line on stderr and exit status 2; a warning is one line too."""
-    try:
-        with one_line_warnings(err_console):
-            cli.main(args=argv, prog_name="sift", standalone_mode=False)
-    except click.exceptions.NoArgsIsHelpError as err:  # plain `sift`: the help, not an error
-        click.echo(err.ctx.get_help())
-        sys.exit(0)
-    except click.ClickException as err:
-        context = getattr(err, "ctx", None)
-        hint = f" (see '{context.command_path} --help')" if isinstance(err, click.UsageError) and context else ""
-        _error_line(err.format_message() + hint)
-        sys.exit(err.exit_code)
-    except click.exceptions.Abort:
-        err_console.print("sift: aborted")
-        sys.exit(130)
-    except user_errors() as err:
-        _error_line(str(err) or type(err).__name__)
-        sys.exit(2)
-
+    run_command(cli, argv, "sift", err_console)
 
 if __name__ == "__main__":
     main()

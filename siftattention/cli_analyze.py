@@ -14,7 +14,7 @@ from pathlib import Path
 import click
 from rich.console import Console
 
-from .cli_common import OutDir, user_errors
+from .cli_common import OutDir, run_command, user_errors
 from .progress import progress
 from .report import claim_out_dir
 
@@ -143,6 +143,4 @@ def _print_summary(summary: dict, out: Path, figures: bool) -> None:
 
 
 if __name__ == "__main__":
-    from .cli import main
-
-    main(["analyze", *sys.argv[1:]])
+    run_command(analyze, sys.argv[1:], "sift analyze", err_console)

@@ -34,7 +34,7 @@ def capture(model_name: str, dataset: str, data_file: str | None, seq_len: int, 
     import torch
 
     from .capture import capture_attention
-    from .cli_eval import resolve_device
+    from .cli_common import resolve_device
     from .data import load_corpus, token_windows
     from .models import load_model
 

@@ -561,6 +561,10 @@ def apply(model: PreTrainedModel, method: Method, *, decode_backend: str | None 
     "torch"/"triton"/"cpu" force that kernel backend; None always uses the
     row-wise reference attention (``select``), an independent reference for tests.
 
+    ``apply`` only installs: a method that needs work on data first (Top-theta's calibration)
+    is refused with a one-line ``CalibrationError`` until ``method.prepare(model)`` (or
+    ``TopTheta.calibrate``) has run.
+
     >>> with apply(model, Sift(tau=0.875, warmup=128)) as handle:
     ...     out = model.generate(**inputs, max_new_tokens=256)
     ...     print(handle.stats.realized_sparsity())
@@ -568,5 +572,5 @@ def apply(model: PreTrainedModel, method: Method, *, decode_backend: str | None 
     if not isinstance(method, Method):
         raise TypeError(f"method must be a siftattention method (Full, TopK, H2O, Sift, Oracle, ...), got {type(method).__name__}")
     if getattr(model, _HANDLE_ATTR, None) is None:
-        method.prepare(model)  # before installing: a calibration runs the model under its own handle
+        method.check_prepared(model)  # before installing, so a refused method leaves the model as it was
     return SiftHandle(model, method, decode_backend)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Any, ContextManager
+from typing import Any, ContextManager, Sequence
 
 from rich.console import Console
 
@@ -93,3 +93,18 @@ class PlainProgress:
         count = f"{task.completed:g}" + ("" if task.total is None else f"/{task.total:g}")
         self.console.print(f"{task.description}: {count} ({seconds // 60}:{seconds % 60:02d} elapsed)",
                            highlight=False, markup=False, soft_wrap=True)
+
+
+def prepare_methods(console: Console, model: Any, methods: Sequence[tuple[str, Any]]) -> None:
+    """Each ``(spec, method)``'s once-per-model work before ``apply`` (Top-theta's calibration), with a bar per method that has some."""
+    with progress(console, transient=True) as bars:
+        for spec, method in methods:
+            task = None
+
+            def on_progress(done: int, total: int, spec: str = spec) -> None:
+                nonlocal task
+                if task is None:
+                    task = bars.add_task(f"calibrating [{spec}]", total=total)
+                bars.update(task, completed=done)
+
+            method.prepare(model, on_progress)

@@ -88,12 +88,12 @@ def run_case(case: tuple) -> dict:
     steps ahead (``DecodeKernels.compiling``) asks for exactly the variants the launches do.
     Returns the variants launched but not compiled ahead, those compiled ahead but never
     launched, and the launches made while compiling ahead (each list should be empty)."""
-    from siftattention.kernels import triton_decode as td
+    from siftattention.kernels import triton_config
     from siftattention.kernels.plan import DecodeKernels
 
     B, Hq, Hkv, S, D, dtype, renorm, with_starts, eta_tensor, changes = case
     cpu = torch.device("cpu")
-    cfg = replace(td._DEFAULT, **changes)
+    cfg = replace(triton_config._DEFAULT, **changes)
     kern = DecodeKernels("triton", B, Hq, Hkv, S, D, dtype, cpu, D**-0.5, renorm, cfg)
     _CALLS.clear()
     run_steps(kern, case)
@@ -131,9 +131,11 @@ def kernel_names() -> list[str]:
     """Every ``*_kernel`` JIT function of the Triton modules."""
     from triton.runtime.jit import JITFunction
 
-    from siftattention.kernels import triton_decode, triton_onepass, triton_quantile
+    from siftattention.kernels import (triton_dense, triton_filter, triton_onepass, triton_quantile, triton_scores,
+                                       triton_warmup)
 
-    return sorted({name for mod in (triton_decode, triton_onepass, triton_quantile) for name, obj in vars(mod).items()
+    modules = (triton_scores, triton_filter, triton_dense, triton_warmup, triton_onepass, triton_quantile)
+    return sorted({name for mod in modules for name, obj in vars(mod).items()
                    if isinstance(obj, JITFunction) and name.endswith("_kernel")})
 
 
@@ -143,10 +145,10 @@ _CALLS: list = []  # (kernel, cache key, compiled ahead) of every compile the wo
 
 def _worker_init() -> None:
     install(_COMPILED)
-    from siftattention.kernels import triton_decode as td
+    from siftattention.kernels import triton_config
 
     # The H200's launch plan: 132 SMs, Hopper features (programmatic dependent launch).
-    td._device_info = lambda device: (132, True, "NVIDIA H200")
+    triton_config._device_info = lambda device: (132, True, "NVIDIA H200")
 
 
 def compile_case(case: tuple) -> tuple[list[dict], list[dict], dict]:

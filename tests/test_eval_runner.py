@@ -322,7 +322,7 @@ def test_summary_table_prints_scored_and_unscored_methods_side_by_side(tmp_path,
 
     from rich.console import Console
 
-    from siftattention import cli_eval
+    from siftattention.eval import runner
 
     model, tok = tiny_llama(seed=17), tiny_chat_tokenizer()
     data = get_task("ifeval").load(ifeval_file(tmp_path / "p.jsonl", n=2))
@@ -331,9 +331,9 @@ def test_summary_table_prints_scored_and_unscored_methods_side_by_side(tmp_path,
     unscored = _run(model, tok, tmp_path / "b", data, EvalSettings(model="tiny", max_new_tokens=5, batch_size=2, path="reference",
                                                                    score=False), ["sift:tau=0.75,warmup=4"])
     buf = io.StringIO()
-    monkeypatch.setattr(cli_eval, "console", Console(file=buf, width=400))
+    monkeypatch.setattr(runner, "console", Console(file=buf, width=400))
     sift_only = [s for s in unscored if s["method"] != "full"]
-    cli_eval.print_summaries("ifeval", scored + sift_only, title="mixed")
+    runner.print_summaries("ifeval", scored + sift_only, title="mixed")
     lines = {line.split()[1]: line for line in buf.getvalue().splitlines() if line.startswith("│ ")}
     assert "prompt strict" in buf.getvalue()
     assert "n/a" not in lines["full"].split("│")[2]

@@ -234,7 +234,7 @@ def test_small_batch_split_plans(S):
     # Few (batch, KV head) rows: the filter and dense passes get at most one program per SM from
     # the fill rule and are not rounded up to a whole wave of resident programs (more, shorter
     # splits only add partial outputs to combine); longer rows keep the minimum split length.
-    from siftattention.kernels.triton_decode import KernelConfig, _cdiv, _plan
+    from siftattention.kernels.triton_config import KernelConfig, _cdiv, _plan
 
     cfg, sms = KernelConfig(), 132
     for B, Hkv in ((1, 8), (2, 8), (1, 32), (4, 8), (8, 8)):
@@ -262,7 +262,7 @@ def test_persistent_scores_plan():
     # The scores pass turns persistent (a fixed grid looping over every (split, row)) only with
     # many rows and several rounds of work per program; small batches and short caches keep
     # one program per split.
-    from siftattention.kernels.triton_decode import KernelConfig, _plan
+    from siftattention.kernels.triton_config import KernelConfig, _plan
 
     cfg, sms = KernelConfig(), 132
     for B, Hkv, S, persistent in ((8, 8, 32768, True), (16, 8, 32768, True), (4, 8, 32768, True),
@@ -336,7 +336,7 @@ def test_kernel_config_rejects_bad_knobs():
 
 def test_register_caps_are_planned_for_compiled_launches_only():
     pytest.importorskip("triton")
-    from siftattention.kernels import triton_decode as td
+    from siftattention.kernels import triton_config as td
 
     cfg = td.KernelConfig(maxnreg2=168)
     compiled = td._plan(8, 32, 8, 4096, 128, torch.float16, 132, True, False, cfg)
@@ -796,9 +796,9 @@ def _triton_exact_quantile() -> dict:
 
 def _sync_nonzero() -> int:
     """Nonzero entries left in this process's reused counter buffers."""
-    from siftattention.kernels import triton_decode
+    from siftattention.kernels import triton_config
 
-    return sum(int(b.count_nonzero()) for b in triton_decode._SYNC.values())
+    return sum(int(b.count_nonzero()) for b in triton_config._SYNC.values())
 
 
 def _triton_failed_launch() -> dict:
@@ -856,10 +856,10 @@ TRITON_PARTS = {
 def _triton_worker(part: str) -> dict:
     """Runs in a subprocess with TRITON_INTERPRET=1; returns measured errors as JSON, with the
     state of the reused counters after every call."""
-    from siftattention.kernels import triton_decode
+    from siftattention.kernels import triton_config
 
     res = TRITON_PARTS[part]()
-    res["sync_buffers"] = len(triton_decode._SYNC)
+    res["sync_buffers"] = len(triton_config._SYNC)
     res["sync_nonzero"] = _sync_nonzero()
     return res
 
@@ -1050,7 +1050,7 @@ def test_triton_interleaved_cases_interleave(triton_results):
 
 
 def test_interleave_chunk_rule():
-    from siftattention.kernels.triton_decode import _chunk
+    from siftattention.kernels.triton_config import _chunk
 
     assert _chunk(256, 32768, 16) == 256 and _chunk(0, 32768, 16) == 0
     assert _chunk(256, 2048, 16) == 128  # every split of a full row gets a chunk
@@ -1064,7 +1064,7 @@ def test_interleave_chunk_rule():
 
 def test_h200_plan_shortens_runs_only_for_short_b1_rows():
     """The H200's plans (132 SMs): 128-key runs at B = 1 with an 8448-key cache, 256 on the longer shapes."""
-    from siftattention.kernels.triton_decode import KernelConfig, _plan
+    from siftattention.kernels.triton_config import KernelConfig, _plan
 
     def chunk(B, Hkv, S):
         return _plan(B, 32, Hkv, S, 128, torch.bfloat16, 132, True, False, KernelConfig())["CHUNK2"]

@@ -195,10 +195,12 @@ def test_top_theta_calibration_averages_the_k_plus_first_score_per_row_length():
     assert method.thresholds[1, :, k + 1:].isfinite().all()
 
 
-def test_top_theta_apply_calibrates_once_per_model_and_refuses_without_a_tokenizer():
+def test_top_theta_prepare_calibrates_once_per_model_and_refuses_without_a_tokenizer():
     model = tiny_llama(seed=1)
     method = TopTheta(k=4, first_layers=0)
     with pytest.raises(CalibrationError, match="no tokenizer"):
+        method.prepare(model)
+    with pytest.raises(CalibrationError, match="not calibrated"):  # apply installs only: no calibration behind it
         with apply(model, method):
             pass
     assert model.config._attn_implementation != "siftattention" and "generate" not in model.__dict__
@@ -206,7 +208,8 @@ def test_top_theta_apply_calibrates_once_per_model_and_refuses_without_a_tokeniz
         method.new_state(1, 4, torch.device("cpu"))
     method.calibrate(model, torch.randint(3, 96, (2, 16)))
     before = method.thresholds
-    with apply(model, method) as handle, torch.no_grad():  # calibrated for this model: apply keeps the thresholds
+    method.prepare(model)  # calibrated for this model: prepare keeps the thresholds
+    with apply(model, method) as handle, torch.no_grad():
         model(torch.randint(3, 96, (1, 20)))
         assert 0 < handle.stats.realized_sparsity() < 1
         with pytest.raises(RuntimeError, match="toptheta keeps no thetas"):

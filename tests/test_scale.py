@@ -84,11 +84,12 @@ def _worker(model_dir: str, out_dir: str) -> None:
     local_heads = attn.q_proj.weight.to_local().shape[0] // attn.head_dim
     res = _run(model)
     res["local_heads"] = local_heads
-    # Thresholds calibrated on the whole model cover other heads than this rank's: apply calibrates again.
+    # Thresholds calibrated on the whole model cover other heads than this rank's: prepare calibrates again.
     whole = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     foreign = TopTheta(k=4, first_layers=0, calibration="wikitext2", calib_seqs=1, calib_len=64).calibrate(whole, _inputs()[2])
     before = foreign.thresholds.shape[1]
     model._siftattention_tokenizer = lambda text, add_special_tokens: {"input_ids": [2 + b % 88 for b in text.encode()]}
+    foreign.prepare(model)
     with apply(model, foreign), torch.inference_mode():
         model(_inputs()[0])
     res["threshold_heads"] = (before, foreign.thresholds.shape[1])

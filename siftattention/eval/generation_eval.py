@@ -35,6 +35,7 @@ import torch
 
 from ..methods import Full, Method, parse_method
 from ..output import OutputWriteError, json_bytes, json_line, save_run, write_bytes, write_json
+from .batching import left_pad
 from .tasks import Sample, Task, TaskData, agreement
 from .tasks.base import mean
 
@@ -60,17 +61,6 @@ def encode_prompts(tokenizer, samples: Sequence[Sample], chat: bool) -> list[lis
         else:
             encoded.append(tokenizer(s.plain)["input_ids"])
     return encoded
-
-
-def left_pad(batch: Sequence[Sequence[int]], pad_id: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    """[B, P] input ids padded on the left and the matching attention mask."""
-    width = max(len(ids) for ids in batch)
-    input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(batch), width), dtype=torch.long)
-    for row, ids in enumerate(batch):
-        input_ids[row, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
-        mask[row, width - len(ids) :] = 1
-    return input_ids.to(device), mask.to(device)
 
 
 END_OF_TURN = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|end|>", "<|endoftext|>", "</s>", "<eos>")
@@ -393,6 +383,7 @@ def evaluate_generation(
             todo = [i for i in batch if samples[i].id not in rows]
             if not todo or not settings.decode:
                 continue
+            method.prepare(model)  # a no-op once done: Top-theta calibrates on its corpus before its first batch
             ids, mask = left_pad([prompts[i] for i in batch], pad_id, device)
             start = time.perf_counter()
             output = generate_batch(model, ids, mask, method, settings.max_new_tokens, eos_ids, pad_id, settings.path)

@@ -100,7 +100,7 @@ def task_manager(tasks: Sequence[str], include_path: Path | None):
 
 def evaluate_lm_eval(model, tokenizer, method, tasks: Sequence[str], *, limit: int | None = None, batch_size: int = 8,
                      num_fewshot: int | None = None, include_path: Path | None = None, apply_chat_template: bool = False) -> dict[str, Any]:
-    """lm-eval's ``simple_evaluate`` on ``model`` with ``method`` applied; its results plus realized sparsity."""
+    """lm-eval's ``simple_evaluate`` on ``model`` with ``method`` applied (prepared: see ``Method.prepare``); its results plus realized sparsity."""
     import lm_eval
 
     from ..hf import apply
@@ -120,11 +120,11 @@ def evaluate_lm_eval(model, tokenizer, method, tasks: Sequence[str], *, limit: i
 def run_lm_eval(tasks: str, model_name: str, specs: Sequence[str], *, limit: int | None, batch_size: int, num_fewshot: int | None,
                 include_path: Path | None, apply_chat_template: bool, out: Path, device: str, dtype: str, console) -> list[dict[str, Any]]:
     """``sift lm-eval``: one lm-eval run per method; writes ``out/<method>.json`` and prints a table."""
-    from ..cli_eval import load_for_eval
     from ..methods import parse_methods
     from ..output import OutputWriteError, write_json
     from ..report import versions
     from .generation_eval import method_slug
+    from .runner import load_for_eval
 
     methods = parse_methods(specs)
     names = [t.strip() for t in tasks.split(",") if t.strip()]
@@ -137,6 +137,7 @@ def run_lm_eval(tasks: str, model_name: str, specs: Sequence[str], *, limit: int
     model, tokenizer = load_for_eval(model_name, device, dtype)
     rows, payloads = [], []
     for spec, method in methods:
+        method.prepare(model)  # Top-theta's calibration on its corpus; apply only installs
         result = evaluate_lm_eval(model, tokenizer, method, names, limit=limit, batch_size=batch_size, num_fewshot=num_fewshot,
                                   include_path=include_path, apply_chat_template=apply_chat_template)
         payload = {"model": model_name, "method": spec, "tasks": names, "limit": limit, "versions": versions(), **result}

@@ -143,8 +143,8 @@ def load_sweep(path: Path) -> Sweep:
 
 def run_sweep(sweep: Sweep, *, plots_only: bool = False, decode: bool = True, loaded=None) -> dict[str, Any]:
     """Evaluate every cell not finished yet, then write sweep.json, sweep.md and the figures."""
-    from ..cli_eval import console, load_for_eval, run_eval
     from .generation_eval import EvalSettings, check_run, run_key, with_full
+    from .runner import console, load_for_eval, run_eval
 
     methods = with_full(sweep.specs)
     # Every task's data and settings are checked before the model loads or anything runs.

@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from .plan import DTYPES as _DTYPES
+from .arguments import DTYPES as _DTYPES
 from .plan import on_device, resolve_backend
 from .torch_ref import sift_decode_torch, sift_warmup_decode_torch
 

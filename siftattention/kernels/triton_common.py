@@ -1,7 +1,7 @@
-"""Triton helpers shared by the decode kernels (``triton_decode``'s passes and
-``triton_quantile``'s select): the launch (or, while compiling ahead, the compilation) of a
-kernel, the dot with the interpreter's bf16 workaround, a row's valid key range, its split
-ranges, and the merge of per-split softmax statistics."""
+"""Triton helpers shared by the decode kernels (the passes, ``triton_quantile``'s select and
+``triton_onepass``): the launch (or, while compiling ahead, the compilation) of a kernel, the dot
+with the interpreter's bf16 workaround, a row's valid key range, its split ranges, the merge of
+per-split softmax statistics, a KV group's query tile, and the anchor keys' statistics."""
 
 from __future__ import annotations
 
@@ -107,3 +107,55 @@ def _row_ml(Mst, Lst, row, g_mask, NUM_SPLITS, BLOCK_S: tl.constexpr):
     m = tl.where(g_mask, m, 0.0)  # padded heads: keep arithmetic finite
     l = tl.sum(tl.where(msk & (mst > float("-inf")), lst * tl.math.exp2(mst - m[:, None]), 0.0), axis=1)
     return m, tl.where(g_mask, l, 1.0), mst, ptr, msk
+
+
+@triton.jit
+def _group_query(Q, b, hkv, stride_qb, stride_qh, stride_qd, HQ: tl.constexpr, G: tl.constexpr,
+                 BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The query rows of one (batch, KV head)'s group on a BLOCK_G x BLOCK_D tile (padding 0),
+    their (batch, query head) row indices and the head and feature masks."""
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    g_mask = offs_g < G
+    d_mask = offs_d < D
+    h = hkv * G + offs_g
+    row = b.to(tl.int64) * HQ + h
+    q = tl.load(Q + b.to(tl.int64) * stride_qb + h[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    return q, row, g_mask, d_mask
+
+
+@triton.jit
+def _stored_run(s_base, lo, hi, g_mask, BLOCK: tl.constexpr):
+    """Max and sum of exp2 over the stored scores of keys [lo, hi) (at most BLOCK keys), one load;
+    (-inf, 0) for an empty run."""
+    o = lo + tl.arange(0, BLOCK)
+    s = tl.load(s_base + o[None, :], mask=g_mask[:, None] & (o < hi)[None, :], other=float("-inf"))
+    m = tl.max(s, axis=1)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    return m, tl.sum(tl.math.exp2(s - m_safe[:, None]), axis=1)
+
+
+@triton.jit
+def _anchor_stats(s_base, first_hi, last_lo, lo, hi, mask, FIRST: tl.constexpr, LAST: tl.constexpr,
+                  BLOCK_F: tl.constexpr, BLOCK_L: tl.constexpr):
+    """(max, sum of exp2) of the stored scores of the anchor keys within [lo, hi): the first
+    run ends at ``first_hi``, the newest starts at ``last_lo``; (-inf, 0) where there is none."""
+    m_a = tl.full(mask.shape, float("-inf"), tl.float32)
+    l_a = tl.zeros(mask.shape, tl.float32)
+    if FIRST > 0:
+        m_a, l_a = _stored_run(s_base, lo, tl.minimum(hi, first_hi), mask, BLOCK_F)
+    if LAST > 0:
+        m2, l2 = _stored_run(s_base, tl.maximum(lo, last_lo), hi, mask, BLOCK_L)
+        m_new = tl.maximum(m_a, m2)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        l_a = l_a * tl.math.exp2(m_a - m_safe) + l2 * tl.math.exp2(m2 - m_safe)
+        m_a = m_new
+    return m_a, l_a
+
+
+@triton.jit
+def _narrow(x, offs_from, offs_to):
+    """Re-lay a per-head vector onto another head tile, bit-exactly (one term per sum)."""
+    sel = offs_to[:, None] == offs_from[None, :]
+    return tl.sum(tl.where(sel, x[None, :], tl.zeros_like(x)[None, :]), axis=1)

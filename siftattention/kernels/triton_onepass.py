@@ -38,9 +38,11 @@ import torch
 import triton
 import triton.language as tl
 
-from . import triton_decode as td
-from .plan import PowerLawThreshold, check_shape
-from .triton_common import _INT_MAX, launch
+from .arguments import PowerLawThreshold, check_shape
+from .triton_common import _INT_MAX, _dot, _group_query, _narrow, _row_range, _split_range, launch
+from .triton_config import LOG2E, KernelConfig, _cdiv, _pow2, _regcap, config_for, geometry
+from .triton_dense import _merge_chunk
+from .triton_filter import _anchored_threshold, _gap
 
 _F16_EXACT_TILES = 2048  # float16 lane counts are exact integers up to 2048
 
@@ -49,7 +51,7 @@ _F16_EXACT_TILES = 2048  # float16 lane counts are exact integers up to 2048
 class OnePassConfig:
     """Launch parameters of the one-pass kernel (defaults: the H200 measurements of onepass_bound.py).
 
-    The split count is the dense kernel's (``td.geometry(...)["nsd"]`` under ``dense``),
+    The split count is the dense kernel's (``triton_config.geometry(...)["nsd"]`` under ``dense``),
     doubled when there are fewer than 16 (batch, KV head) rows (``split_factor=0``), and never
     more than a full row's tiles; ``splits > 0`` fixes it instead.
     """
@@ -66,7 +68,7 @@ class OnePassConfig:
     # S = 16384: 168 0.967, 160 0.992).
     maxnreg: int = -1
     evict: bool = True  # K and V tiles loaded evict-first
-    dense: td.KernelConfig | None = None  # the dense kernel's config (None: td.config_for)
+    dense: KernelConfig | None = None  # the dense kernel's config (None: config_for)
 
     def __post_init__(self):
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
@@ -92,31 +94,31 @@ def _register_cap(maxnreg: int, dtype: torch.dtype, split_len: int) -> int:
 def onepass_geometry(batch: int, q_heads: int, kv_heads: int, max_len: int, head_dim: int, dtype: torch.dtype,
                      device: torch.device, cfg: OnePassConfig) -> dict:
     """Launch geometry of the one-pass kernel for one shape."""
-    dense_cfg = cfg.dense or td.config_for(device)
-    dgeo = td.geometry(batch, q_heads, kv_heads, max_len, head_dim, dtype, device, dense_cfg)
+    dense_cfg = cfg.dense or config_for(device)
+    dgeo = geometry(batch, q_heads, kv_heads, max_len, head_dim, dtype, device, dense_cfg)
     G = q_heads // kv_heads
     rows = batch * kv_heads
-    block_d = max(16, td._pow2(head_dim))
+    block_d = max(16, _pow2(head_dim))
     # As the shipped kernels: tiles of 256-byte rows; wider rows (D = 256, float32) get
     # proportionally fewer keys, so the pipelined K and V tiles fit in shared memory.
     shrink = max(1, (block_d * dtype.itemsize) // 256)
     block_n = max(16, cfg.block_n // shrink)
-    tiles = td._cdiv(max_len, block_n)
+    tiles = _cdiv(max_len, block_n)
     if cfg.splits:
         splits = cfg.splits
     else:
         splits = dgeo["nsd"] * (cfg.split_factor or (2 if rows < 16 else 1))
-    splits = min(max(splits, td._cdiv(tiles, _F16_EXACT_TILES)), tiles)
-    assert td._cdiv(tiles, splits) <= _F16_EXACT_TILES, "float16 kept counts need <= 2048 tiles per split"
-    block_ga = td._pow2(G)
+    splits = min(max(splits, _cdiv(tiles, _F16_EXACT_TILES)), tiles)
+    assert _cdiv(tiles, splits) <= _F16_EXACT_TILES, "float16 kept counts need <= 2048 tiles per split"
+    block_ga = _pow2(G)
     interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
     return dict(
         B=batch, Hq=q_heads, Hkv=kv_heads, S=max_len, D=head_dim, G=G, splits=splits,
         BLOCK_N=block_n, BLOCK_G=max(16, block_ga), BLOCK_GA=block_ga, BLOCK_D=block_d,
         # Splits per load in the combine: a [CH, G, D] float32 tile of about 4096 elements.
-        CH=max(1, min(td._pow2(splits), 4096 // (block_ga * block_d))),
+        CH=max(1, min(_pow2(splits), 4096 // (block_ga * block_d))),
         prec=dgeo["prec"], upcast=dgeo["upcast"], warps=cfg.warps, stages=cfg.stages,
-        regs=td._regcap(_register_cap(cfg.maxnreg, dtype, td._cdiv(max_len, splits)), interp),
+        regs=_regcap(_register_cap(cfg.maxnreg, dtype, _cdiv(max_len, splits)), interp),
     )
 
 
@@ -130,7 +132,7 @@ def _tile_scores(q, k_base, offs, n_mask, stride_ks, stride_kd, offs_d, d_mask, 
     k = tl.load(k_base + offs[:, None].to(tl.int64) * stride_ks + offs_d[None, :] * stride_kd,
                 mask=n_mask[:, None] & d_mask[None, :], other=0.0,
                 eviction_policy="evict_first" if EVICT else "")
-    s = td._dot(q, tl.trans(k), DOT_PREC, DOT_UPCAST)
+    s = _dot(q, tl.trans(k), DOT_PREC, DOT_UPCAST)
     return tl.where(n_mask[None, :], s * qk_scale, float("-inf"))
 
 
@@ -170,9 +172,9 @@ def _first_argmax(q, k_base, Mp, m, needy, row_c, begin, end, offs_g, offs_ga, o
         hit = m2 & (mj == m[None, :])
         jstar = tl.minimum(jstar, tl.min(tl.where(hit, js[:, None], _INT_MAX), axis=0))
     # Onto the dot's head tile (padded heads: not needy, split 0).
-    need_g = td._narrow(needy.to(tl.int32), offs_ga, offs_g) > 0
-    j_g = td._narrow(tl.where(needy, jstar, 0), offs_ga, offs_g)
-    lo_h, hi_h = td._split_range(begin, end, j_g, NUM_SPLITS, BLOCK_N)
+    need_g = _narrow(needy.to(tl.int32), offs_ga, offs_g) > 0
+    j_g = _narrow(tl.where(needy, jstar, 0), offs_ga, offs_g)
+    lo_h, hi_h = _split_range(begin, end, j_g, NUM_SPLITS, BLOCK_N)
     r_lo = tl.min(tl.where(need_g, lo_h, _INT_MAX), axis=0)
     r_hi = tl.max(tl.where(need_g, hi_h, 0), axis=0)
     offs_n = tl.arange(0, BLOCK_N)
@@ -188,7 +190,7 @@ def _first_argmax(q, k_base, Mp, m, needy, row_c, begin, end, offs_g, offs_ga, o
         a_blk = tl.argmax(s, axis=1).to(tl.int32) + n0
         a_r = tl.where(m_blk > m_r, a_blk, a_r)  # strict: the first argmax
         m_r = tl.maximum(m_r, m_blk)
-    return td._narrow(a_r, offs_g, offs_ga)
+    return _narrow(a_r, offs_g, offs_ga)
 
 
 @triton.jit
@@ -212,8 +214,8 @@ def _onepass_kernel(
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
-    q, row, g_mask, d_mask = td._group_query(Q, b, hkv, stride_qb, stride_qh, stride_qd, HQ, G, BLOCK_G, D, BLOCK_D)
-    begin, end = td._row_range(SeqLens, Starts, b, S_MAX, HAS_SEQ_LENS, HAS_STARTS)
+    q, row, g_mask, d_mask = _group_query(Q, b, hkv, stride_qb, stride_qh, stride_qd, HQ, G, BLOCK_G, D, BLOCK_D)
+    begin, end = _row_range(SeqLens, Starts, b, S_MAX, HAS_SEQ_LENS, HAS_STARTS)
     k_base = K + b.to(tl.int64) * stride_kb + hkv.to(tl.int64) * stride_kh
     v_base = V + b.to(tl.int64) * stride_vb + hkv.to(tl.int64) * stride_vh
 
@@ -230,9 +232,9 @@ def _onepass_kernel(
 
     # Every program reads the previous gap before its arrival below; only the last one to
     # arrive overwrites it.
-    thr = td._anchored_threshold(a2, Gap, LogAlpha, Beta, LogSteps, row, b, g_mask)
+    thr = _anchored_threshold(a2, Gap, LogAlpha, Beta, LogSteps, row, b, g_mask)
 
-    lo, hi = td._split_range(begin, end, split, NUM_SPLITS, BLOCK_N)
+    lo, hi = _split_range(begin, end, split, NUM_SPLITS, BLOCK_N)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -254,7 +256,7 @@ def _onepass_kernel(
         v = tl.load(v_base + offs[:, None].to(tl.int64) * stride_vs + offs_d[None, :] * stride_vd,
                     mask=(n_mask & rows_kept)[:, None] & d_mask[None, :], other=0.0,
                     eviction_policy="evict_first" if EVICT else "")
-        acc = acc * alpha[:, None] + td._dot(w.to(v.dtype), v, DOT_PREC, DOT_UPCAST)
+        acc = acc * alpha[:, None] + _dot(w.to(v.dtype), v, DOT_PREC, DOT_UPCAST)
         if RENORMALIZE:
             mass = mass * alpha + tl.sum(w, axis=1)
         l_i = l_i * alpha + tl.sum(p, axis=1)
@@ -281,7 +283,7 @@ def _onepass_kernel(
         tot_mass = tl.zeros([BLOCK_GA], tl.float32)
         kept = tl.zeros([BLOCK_GA], tl.int32)
         for j0 in range(0, NUM_SPLITS, CH):
-            pj, m2, m, l, tot, alpha, wj = td._merge_chunk(Part, Mp, Lp, row_c, j0, m, l, tot, ga_mask, offs_d,
+            pj, m2, m, l, tot, alpha, wj = _merge_chunk(Part, Mp, Lp, row_c, j0, m, l, tot, ga_mask, offs_d,
                                                            NUM_SPLITS, BLOCK_D, CH)
             if RENORMALIZE:  # the kept mass merges as the sums do
                 massj = tl.load(Mass + pj, mask=m2, other=0.0, cache_modifier=".cg")
@@ -289,8 +291,8 @@ def _onepass_kernel(
             kept += tl.sum(tl.load(Cnt + pj, mask=m2, other=0, cache_modifier=".cg"), axis=0)
         l = tl.where(ga_mask, l, 1.0)
         # This step's gap L - A (natural log), for the next step's threshold.
-        a2_c = td._narrow(a2, offs_g, offs_ga)
-        tl.store(Gap + row_c, td._gap(m, l, a2_c), mask=ga_mask)
+        a2_c = _narrow(a2, offs_g, offs_ga)
+        tl.store(Gap + row_c, _gap(m, l, a2_c), mask=ga_mask)
         # Nothing passed T: keep the first argmax only. A row without keys (l = 0) keeps nothing: output 0.
         needy = (kept == 0) & ga_mask & (l > 0.0)
         if RENORMALIZE:
@@ -321,18 +323,18 @@ def _onepass_kernel(
 class OnePassPlan:
     """The one-pass anchored sift step for one shape: geometry and scratch once, launched many times.
 
-    ``config``: an ``OnePassConfig``, or a ``triton_decode.KernelConfig`` (the dense
+    ``config``: an ``OnePassConfig``, or a ``triton_config.KernelConfig`` (the dense
     kernel's, which sets the split count; one-pass defaults otherwise), or None.
     """
 
     def __init__(self, batch: int, q_heads: int, kv_heads: int, max_len: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device | str, first: int, last: int,
-                 config: OnePassConfig | td.KernelConfig | None = None) -> None:
+                 config: OnePassConfig | KernelConfig | None = None) -> None:
         check_shape(batch, q_heads, kv_heads, max_len, head_dim, dtype)
         for name, v in (("first", first), ("last", last)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"{name} must be a non-negative int, got {v!r}")
-        if isinstance(config, td.KernelConfig):
+        if isinstance(config, KernelConfig):
             config = OnePassConfig(evict=config.evict, dense=config)
         self.config = config or OnePassConfig()
         device = torch.device(device)
@@ -379,7 +381,7 @@ class OnePassPlan:
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
             out.stride(0), out.stride(1), out.stride(2),
-            scale * td.LOG2E, geo["S"], geo["splits"],
+            scale * LOG2E, geo["S"], geo["splits"],
             HAS_SEQ_LENS=has_sl, HAS_STARTS=has_st, RENORMALIZE=bool(renormalize), **self._meta,
         )
         return out, kept

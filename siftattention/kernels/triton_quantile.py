@@ -22,8 +22,8 @@ import triton.language as tl
 
 from .triton_common import _INT_MAX, _row_ml, _row_range, _split_range, launch
 
-if TYPE_CHECKING:  # the plan and workspace types live with the passes, which import this module
-    from .triton_decode import KernelConfig, Workspace
+if TYPE_CHECKING:
+    from .triton_config import KernelConfig, Workspace
 
 
 @triton.jit

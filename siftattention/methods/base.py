@@ -215,8 +215,11 @@ class Method:
         return None
 
     def prepare(self, model: Any, on_progress: Callable[[int, int], None] | None = None) -> None:
-        """Called by ``apply`` before the method is installed on ``model``; work done once per model
-        (Top-theta's calibration) reports ``on_progress(done, total)``."""
+        """The work a method needs once per model before ``apply`` (Top-theta's calibration, which reads
+        its corpus), reporting ``on_progress(done, total)``. The caller runs it: ``apply`` only installs."""
+
+    def check_prepared(self, model: Any) -> None:
+        """Raise a one-line error naming the call to make if ``apply(model, self)`` lacks what ``prepare`` gives."""
 
     def decode_phase(self, step: int) -> str | None:
         """What decode step ``step`` (0 = the first decoded token) does, or None without a decode step.

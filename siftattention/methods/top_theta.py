@@ -2,10 +2,13 @@
 
 A key is kept when its scaled pre-softmax score exceeds ``theta[layer, head, n]``, with n
 the row's valid keys. The thresholds come from a calibration pass over text the method
-never evaluates on: for every calibration row with n > k, the (k+1)-th largest score (the
-largest score top-k would drop), averaged over the calibration sequences per (layer, query
-head, n) as ``mean + sigma * std``. A row of a length the calibration never saw takes the
-nearest calibrated one (the longest, beyond it); rows with n <= k keep every key. Layers
+never evaluates on, in a step of its own that runs before ``apply``: ``calibrate(model,
+input_ids)`` on given token windows, or ``calibrate_on_corpus(model)`` (what ``prepare``, and so
+the ``sift`` commands, run) on windows of the ``calibration`` corpus. ``apply`` only installs the
+thresholds and refuses a method that has none for the model. For every calibration row with
+n > k, the (k+1)-th largest score (the largest score top-k would drop), averaged over the
+calibration sequences per (layer, query head, n) as ``mean + sigma * std``. A row of a length
+the calibration never saw takes the nearest calibrated one (the longest, beyond it); rows with n <= k keep every key. Layers
 below ``first_layers`` use ``first_k`` (the paper's setting: denser first layers). While
 calibrating, each layer keeps exactly its top-k keys (top-k at calibration), so deeper
 layers are calibrated on the inputs they will see. This follows the authors' released code.
@@ -131,7 +134,7 @@ class TopTheta(Method):
 
         if self.calibration not in DATASETS:
             raise ValueError(f"calibration must be one of {', '.join(DATASETS)}, got {self.calibration!r}")
-        #: [L, H, T + 1] float32 thresholds once calibrated (``calibrate`` or ``apply``)
+        #: [L, H, T + 1] float32 thresholds once calibrated (``calibrate`` or ``calibrate_on_corpus``), or set by hand
         self.thresholds: torch.Tensor | None = None
         self._calibrated_for: tuple | None = None
 
@@ -166,10 +169,9 @@ class TopTheta(Method):
         self._calibrated_for = key
         return self
 
-    def prepare(self, model: Any, on_progress: Callable[[int, int], None] | None = None) -> None:
-        """Calibrate on ``calib_seqs`` windows of ``calib_len`` tokens of the ``calibration`` corpus, unless done for this model."""
-        if self.thresholds is not None and self._calibrated_for == _model_key(model):
-            return
+    def calibrate_on_corpus(self, model: Any, on_progress: Callable[[int, int], None] | None = None) -> "TopTheta":
+        """Calibrate on ``calib_seqs`` windows of ``calib_len`` tokens of the ``calibration`` corpus
+        (read from disk, tokenized with the model's tokenizer); returns self."""
         from ..data import load_corpus, token_windows
         from ..models import tokenizer_for
 
@@ -180,12 +182,28 @@ class TopTheta(Method):
                 "call method.calibrate(model, input_ids) first")
         windows = token_windows(load_corpus(self.calibration).text, tokenizer, self.calib_len, self.calib_seqs)
         report = None if on_progress is None else (lambda i: on_progress(i + 1, len(windows)))
-        self.calibrate(model, windows, on_window=report)
+        return self.calibrate(model, windows, on_window=report)
+
+    def _calibrated_for_model(self, model: Any) -> bool:
+        # Thresholds set by hand carry no model key: their shape is checked per layer in new_state.
+        return self.thresholds is not None and self._calibrated_for in (None, _model_key(model))
+
+    def prepare(self, model: Any, on_progress: Callable[[int, int], None] | None = None) -> None:
+        """``calibrate_on_corpus``, unless the thresholds already fit this model."""
+        if not self._calibrated_for_model(model):
+            self.calibrate_on_corpus(model, on_progress)
+
+    def check_prepared(self, model: Any) -> None:
+        if not self._calibrated_for_model(model):
+            state = "is not calibrated" if self.thresholds is None else "was calibrated for another model"
+            raise CalibrationError(
+                f"{self.spec()} {state}: call method.prepare(model) (calibrates on {self.calibration}) or "
+                "method.calibrate(model, input_ids) before apply()")
 
     # -- the method ------------------------------------------------------------------
     def new_state(self, batch: int, heads: int, device: torch.device, layer: int = 0) -> TopThetaState:
         if self.thresholds is None:
-            raise CalibrationError(f"{self.spec()} is not calibrated: apply() calibrates it, or call calibrate(model, input_ids)")
+            raise CalibrationError(f"{self.spec()} is not calibrated: call method.prepare(model) or method.calibrate(model, input_ids)")
         if not (layer < self.thresholds.shape[0] and heads == self.thresholds.shape[1]):
             raise CalibrationError(
                 f"{self.spec()} was calibrated for {self.thresholds.shape[0]} layers x {self.thresholds.shape[1]} heads, "

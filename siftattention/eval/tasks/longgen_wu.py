@@ -30,6 +30,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ...data import DataNotFoundError, find_data_file
+from ..batching import left_pad
 from .base import Sample, Task, TaskData, TaskDataError, mean, prompts_digest, read_json, require_fields
 
 DATASET = "spinning-golden-thread/Dataset_short.json"
@@ -81,8 +82,6 @@ class YesNoJudge:
     @torch.inference_mode()
     def margins(self, pairs: Sequence[tuple[str, str]]) -> list[float]:
         """Best "Yes" logit minus best "No" logit for each (block, event), batched with left padding."""
-        from ..generation_eval import left_pad  # the eval loop's padding (that module imports this package)
-
         out: list[float] = []
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         for a in range(0, len(pairs), self.batch_size):

@@ -19,7 +19,7 @@ Bandwidth is useful bytes over time: kept V rows (plus the index and weight byte
 variant reads); ``stream`` counts all V. Each Triton variant's output is checked
 against a float64 torch reference before it is timed.
 
-    PYTHONPATH=. python3 benchmarks/gather_floor.py --out gather.json
+    PYTHONPATH=. python3 benchmarks/studies/gather_floor.py --out gather.json
 """
 
 from __future__ import annotations

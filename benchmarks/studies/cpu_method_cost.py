@@ -1,6 +1,6 @@
 """Seconds per 1024-token window of each method's teacher-forced forward on the embedded model (CPU).
 
-    .venv/bin/python benchmarks/cpu_method_cost.py [--seq-len 1024]
+    .venv/bin/python benchmarks/studies/cpu_method_cost.py [--seq-len 1024]
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """One Sift decode step on the CPU, exact or anchored normaliser, fused C++ kernel against the torch
 backend (float32, SmolLM2's head layout: 9 query heads, 3 KV heads, D = 64).
 
-    .venv/bin/python benchmarks/cpu_anchored_step.py --out benchmarks/results/cpu_anchored_step.json
+    .venv/bin/python benchmarks/studies/cpu_anchored_step.py --out benchmarks/results/cpu_anchored_step.json
 """
 
 from __future__ import annotations

@@ -2,10 +2,10 @@
 profiler, eager) and the whole step in a CUDA graph, beside the exact step with eta given directly
 and as a power law (H200). The gap handed in is this step's own, so each call rewrites it unchanged.
 
-    PYTHONPATH=. python3 benchmarks/profile_anchored_two_pass.py OUT.json
+    PYTHONPATH=. python3 benchmarks/studies/profile_anchored_two_pass.py OUT.json
 """
-import json, sys, torch
-sys.path.insert(0, "benchmarks")
+import json, os, sys, torch
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/, for bench_decode
 import bench_decode as bd
 from siftattention.kernels.plan import PowerLawThreshold
 from torch.profiler import profile, ProfilerActivity

@@ -16,8 +16,8 @@ variant (the library's ``Sift(normalizer="anchored")``; both with and without
 renormalisation) through the library's evaluation, so all of them see the same windows and
 warmup, and reports perplexity against realized sparsity.
 
-    .venv/bin/python benchmarks/anchored_ppl.py --seq-len 2048 --num-seqs 4 --out anchored_ppl.json
-    .venv/bin/python benchmarks/anchored_ppl.py --model gemma3-270m ...  # after make gemma
+    .venv/bin/python benchmarks/studies/anchored_ppl.py --seq-len 2048 --num-seqs 4 --out anchored_ppl.json
+    .venv/bin/python benchmarks/studies/anchored_ppl.py --model gemma3-270m ...  # after make gemma
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Perplexity and realized sparsity of the embedded model under tensor parallelism (CPU).
 
-    PYTHONPATH=. python3 benchmarks/tp_quality.py --ranks 3 --out benchmarks/results/tp_ppl_smollm2_cpu.json
+    PYTHONPATH=. python3 benchmarks/studies/tp_quality.py --ranks 3 --out benchmarks/results/tp_ppl_smollm2_cpu.json
 
 SmolLM2-135M-Instruct (9 query heads, 3 KV heads) loaded with ``tp_plan="auto"`` by
 ``--ranks`` processes of ``torch.distributed.run`` on the gloo backend, each holding
@@ -89,7 +89,7 @@ def main() -> None:
             "max_sparsity_diff": max(abs(t["realized_sparsity"] - ref["realized_sparsity"]) for t in tp),
         })
     payload = {
-        "command": " ".join(["python3", "benchmarks/tp_quality.py", *sys.argv[1:]]),
+        "command": " ".join(["python3", "benchmarks/studies/tp_quality.py", *sys.argv[1:]]),
         "machine": f"CPU ({os.cpu_count()} cores), gloo", "date": time.strftime("%Y-%m-%d"),
         "versions": {"torch": torch.__version__, "transformers": __import__("transformers").__version__},
         "model": "smollm2-135m", "dataset": "wikitext2", "seq_len": args.seq_len, "num_seqs": args.num_seqs,

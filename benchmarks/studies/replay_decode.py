@@ -28,7 +28,7 @@ time of each kernel (torch.profiler over eager calls), the kept share per head a
 share of V rows some head of the group keeps; ``dense`` (the dense kernel) and ``sdpa``
 run on the captured inputs as the yardsticks.
 
-    PYTHONPATH=. python3 benchmarks/replay_decode.py --setting 8x32768 --out $OUT/replay.json
+    PYTHONPATH=. python3 benchmarks/studies/replay_decode.py --setting 8x32768 --out $OUT/replay.json
 
 On a machine without CUDA it runs a small smoke version (tiny model, the CPU backend,
 host timers) so the script itself can be checked: ``--smoke``.
@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/, for bench_decode and bench_generate
 
 from bench_decode import make_inputs, thresholds  # noqa: E402
 from cpu_sparse_breakdown import timed  # noqa: E402

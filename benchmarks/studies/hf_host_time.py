@@ -1,6 +1,6 @@
 """Host time of a decode step through transformers' generate under apply() on CUDA, and of the kernel launches in it.
 
-    PYTHONPATH=. python3 benchmarks/hf_host_time.py --out hf_host_time.json
+    PYTHONPATH=. python3 benchmarks/studies/hf_host_time.py --out hf_host_time.json
 
 On a small model a step of transformers' generate is bound by the host (Python and kernel
 launches), not by the GPU. This measures, on SmolLM2-135M's shape with random weights

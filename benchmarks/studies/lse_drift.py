@@ -18,8 +18,8 @@ realized sparsity, the attention output's error against full attention (float64)
 share of keys decided unlike the exact filter. Sliding-window layers (Gemma-3) are masked as
 the model masks them and also reported apart.
 
-    .venv/bin/python benchmarks/lse_drift.py --prompt 4096 --steps 64 --windows 2 --out lse.json
-    .venv/bin/python benchmarks/lse_drift.py --model gemma3-270m --prompt 2048 --steps 64 --windows 2  # after make gemma
+    .venv/bin/python benchmarks/studies/lse_drift.py --prompt 4096 --steps 64 --windows 2 --out lse.json
+    .venv/bin/python benchmarks/studies/lse_drift.py --model gemma3-270m --prompt 2048 --steps 64 --windows 2  # after make gemma
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 The first call of a process compiles the Triton kernels; a step that takes seconds is a
 compile. Three calls per method on the embedded model, the paper's prompt, 96 new tokens:
 
-    PYTHONPATH=. python3 benchmarks/hf_generate_compiles.py --dtype float32 --out hf_generate_compiles.json
+    PYTHONPATH=. python3 benchmarks/studies/hf_generate_compiles.py --dtype float32 --out hf_generate_compiles.json
 """
 
 from __future__ import annotations

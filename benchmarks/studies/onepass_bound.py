@@ -26,7 +26,7 @@ Variants, each checked against a float64 reference (renormalize=False) before it
 A fifth number in a ``--geoms`` entry caps the kernel's registers per thread (``maxnreg``);
 ``--dtype`` takes fp16 and bf16, ``--only`` restricts the variants timed.
 
-    PYTHONPATH=. python3 benchmarks/onepass_bound.py --out onepass.json
+    PYTHONPATH=. python3 benchmarks/studies/onepass_bound.py --out onepass.json
 """
 
 from __future__ import annotations
@@ -42,8 +42,9 @@ import torch
 import triton
 import triton.language as tl
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/, for bench_decode
 import bench_decode as bd  # noqa: E402
+from siftattention.kernels import triton_common, triton_dense  # noqa: E402
 from siftattention.kernels import triton_decode as td  # noqa: E402
 
 LOG2E = 1.4426950408889634
@@ -59,7 +60,7 @@ def _lse_run(q, k_row, lo, hi, m, l, qk_scale, D: tl.constexpr, BLOCK_N: tl.cons
         offs = n0 + offs_n
         mask = offs < hi
         k = tl.load(k_row + offs[:, None].to(tl.int64) * D + offs_d[None, :], mask=mask[:, None], other=0.0)
-        sa = tl.where(mask[None, :], td._dot(q, tl.trans(k), "tf32", UPCAST) * qk_scale, float("-inf"))
+        sa = tl.where(mask[None, :], triton_common._dot(q, tl.trans(k), "tf32", UPCAST) * qk_scale, float("-inf"))
         m_new = tl.maximum(m, tl.max(sa, axis=1))
         l = l * tl.math.exp2(m - m_new) + tl.sum(tl.math.exp2(sa - m_new[:, None]), axis=1)
         m = m_new
@@ -97,7 +98,7 @@ def _onepass_kernel(
     row = b.to(tl.int64) * HQ + h
     q = tl.load(Q + row[:, None] * D + offs_d[None, :], mask=g_mask[:, None], other=0.0)
     thr = tl.load(Thr + row, mask=g_mask, other=float("inf"))
-    lo, hi = td._split_range(0, S_MAX, split, NUM_SPLITS, BLOCK_N)
+    lo, hi = triton_common._split_range(0, S_MAX, split, NUM_SPLITS, BLOCK_N)
     base = bh.to(tl.int64) * S_MAX * D
     if ANCHOR_FIRST + ANCHOR_LAST > 0:
         m_a = tl.full([BLOCK_G], float("-inf"), tl.float32)
@@ -126,7 +127,7 @@ def _onepass_kernel(
         n_mask = offs < hi
         k = tl.load(K + base + offs[:, None].to(tl.int64) * D + offs_d[None, :], mask=n_mask[:, None], other=0.0,
                     eviction_policy="evict_first")
-        s = td._dot(q, tl.trans(k), "tf32", UPCAST)
+        s = triton_common._dot(q, tl.trans(k), "tf32", UPCAST)
         s = tl.where(n_mask[None, :], s * qk_scale, float("-inf"))
         if STORE_SCORES == 1:
             tl.store(s_base + offs[None, :], s, mask=g_mask[:, None] & n_mask[None, :], eviction_policy="evict_last")
@@ -154,7 +155,7 @@ def _onepass_kernel(
         if READ_V:
             v = tl.load(V + base + offs[:, None].to(tl.int64) * D + offs_d[None, :], mask=v_mask, other=0.0,
                         eviction_policy="evict_first")
-            acc = acc * alpha[:, None] + td._dot(tl.where(keep, p, 0.0).to(v.dtype), v, "tf32", UPCAST)
+            acc = acc * alpha[:, None] + triton_common._dot(tl.where(keep, p, 0.0).to(v.dtype), v, "tf32", UPCAST)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
 
@@ -172,7 +173,7 @@ def _onepass_kernel(
     done = tl.atomic_add(Sem + bh, 1, sem="acq_rel", scope="gpu")
     if done == NUM_SPLITS - 1:
         tl.store(Sem + bh, 0)
-        td._merge_splits(Part, Mp, Lp, Out, b, hkv, HQ * D, D, 1, NUM_SPLITS, HQ, G, BLOCK_GA, D, CH, offs_d < D)
+        triton_dense._merge_splits(Part, Mp, Lp, Out, b, hkv, HQ * D, D, 1, NUM_SPLITS, HQ, G, BLOCK_GA, D, CH, offs_d < D)
 
 
 class OnePass:

@@ -8,7 +8,7 @@ docs/design.md): per (layer, head) it takes the exact tau-quantiles of rows P+1.
 the warmup rows, predicts the later rows and reports the error of the predicted threshold
 and the sparsity it realizes, against fits over wider ranges.
 
-    .venv/bin/python benchmarks/long_prompt_fit.py --prompt 2048 --tail 512 --out long_prompt_fit.json
+    .venv/bin/python benchmarks/studies/long_prompt_fit.py --prompt 2048 --tail 512 --out long_prompt_fit.json
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Where a decode step of the evaluation's generation goes on the GPU (the embedded models, float32).
 
-    PYTHONPATH=. python3 benchmarks/profile_eval_step.py --model gemma3-270m --out $OUT/profile.json
+    PYTHONPATH=. python3 benchmarks/studies/profile_eval_step.py --model gemma3-270m --out $OUT/profile.json
 
 ``sift eval`` decodes batches of up to 50 long prompts in float32 (the de-quantised GGUF
 weights) through ``siftattention.generate``. This times that loop per method at the

@@ -7,7 +7,7 @@ lower-right causal variant instead, with no mask. This script checks the two aga
 float64 softmax on small odd shapes, then times both (CUDA events, median of repeats) at
 Llama-3.1-8B's attention shape (GQA 32/8, D = 128, bf16)::
 
-    PYTHONPATH=. python3 benchmarks/bench_prefill_chunk.py --out prefill_chunk.json
+    PYTHONPATH=. python3 benchmarks/studies/bench_prefill_chunk.py --out prefill_chunk.json
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ validity mask), softmax, keep mask, then the weighted sum with V as a dense prod
 the pruned weights are zeros. This times each part on random inputs of the embedded model's
 attention shape (batch 4, 9 query / 3 KV heads, head_dim 64, float32) at a given sparsity.
 
-    .venv/bin/python benchmarks/cpu_sparse_breakdown.py --lengths 512 2048 8192 --out cpu_sparse_breakdown.json
+    .venv/bin/python benchmarks/studies/cpu_sparse_breakdown.py --lengths 512 2048 8192 --out cpu_sparse_breakdown.json
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ the union on the embedded GQA models over WikiText-2: per layer and overall, ove
 method approximates (after Sift's warmup), the kept fraction per query head, the fraction of V
 rows the group reads, and what independent heads keeping the same per-head fractions would read.
 
-    .venv/bin/python benchmarks/group_union.py --seq-len 2048 --num-seqs 4 --out union_smollm2.json
-    .venv/bin/python benchmarks/group_union.py --model gemma3-270m --seq-len 2048 --num-seqs 4   # after make gemma
+    .venv/bin/python benchmarks/studies/group_union.py --seq-len 2048 --num-seqs 4 --out union_smollm2.json
+    .venv/bin/python benchmarks/studies/group_union.py --model gemma3-270m --seq-len 2048 --num-seqs 4   # after make gemma
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The first generation of a process on a GPU with an empty Triton cache: what compiling costs.
 
-    PYTHONPATH=. python3 benchmarks/first_call.py --out $OUT/first_call.json
+    PYTHONPATH=. python3 benchmarks/studies/first_call.py --out $OUT/first_call.json
 
 Each case runs in a fresh process with a fresh ``TRITON_CACHE_DIR``, with Sift's kernels
 compiled ahead, side by side, when the decode plan is made (the default) or one after
@@ -21,7 +21,7 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 
 
 def one_case(path: str, method: str, dtype: str) -> dict:

@@ -8,7 +8,7 @@ and chunk c's filter pass runs on a side stream as soon as chunk c's scores are 
 edge, no spin-wait), beside chunk c + 1's scores pass. The same chunks run on one stream
 for comparison, so the effect of cutting and the effect of overlapping are told apart.
 
-    PYTHONPATH=. python3 benchmarks/overlap_probe.py --out overlap_probe_h200.json
+    PYTHONPATH=. python3 benchmarks/studies/overlap_probe.py --out overlap_probe_h200.json
 
 Every form's output is checked against float64 and its kept counts against the exact
 ones before it is timed; ratios are to SDPA measured in the same run.
@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import torch
 
-sys.path.insert(0, "benchmarks")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/, for bench_decode
 from bench_decode import (DEV, bench_graph, copy_bandwidth, make_inputs, planned, ref_out64, rel_err,  # noqa: E402
                           sdpa_decode, thresholds, full_lens)
 

@@ -1,6 +1,6 @@
 """What Top-theta's V-mean compensation would do for the other methods (teacher-forced, reference path).
 
-    python benchmarks/vmc_ppl.py --methods sift:tau=0.875,warmup=128 topk:k=0.125,renormalize=false \
+    python benchmarks/studies/vmc_ppl.py --methods sift:tau=0.875,warmup=128 topk:k=0.125,renormalize=false \
         --seq-len 1024 --num-seqs 2 --out benchmarks/results/vmc_ppl_smollm2.json
 
 Each method runs as given and again with ``vmc`` switched on (the pruned probability mass times

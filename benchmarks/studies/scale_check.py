@@ -2,7 +2,7 @@
 
 One command on the GPU machine:
 
-    PYTHONPATH=. python3 benchmarks/scale_check.py --out $OUT/scale.json
+    PYTHONPATH=. python3 benchmarks/studies/scale_check.py --out $OUT/scale.json
 
 A small random fp32 Llama (4 layers, GQA 8/2, head_dim 64, vocab 1000) and a left-padded
 batch of 3 prompts of 600 tokens; every method (Full, Top-k, Sift, Sift anchored,
