@@ -285,6 +285,12 @@ def test_persistent_scores_plan():
         assert geo["ns2"] == max(one_wave, S // cfg.max_split2_persist_gqa), (B, S, geo["ns2"])
         old = _plan(B, 32, 8, S, 128, torch.float16, sms, True, False, KernelConfig(persist1=0))
         assert old["programs1"] == 0 and old["ns2"] * rows >= slots and old["ns2"] * cfg.min_split2 <= S, (B, S)
+    # More than 4 query heads a KV head: the filter pass fits resident2_wide programs on an SM, and
+    # its grid is one wave of those (GQA 12/2 and 16/2, persistent scores pass).
+    for B, Hq, S in ((16, 12, 32768), (32, 16, 16384)):
+        geo = _plan(B, Hq, 2, S, 128, torch.float16, sms, True, False, cfg)
+        assert geo["programs1"] > 0, (B, Hq, S)
+        assert geo["ns2"] == max(cfg.resident2_wide * sms // (B * 2), S // cfg.max_split2_persist_gqa), (B, Hq, geo["ns2"])
 
 
 def test_validation_errors():

@@ -29,7 +29,7 @@ except ImportError:  # older Triton
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """Launch parameters; the defaults come from the H200 grids in benchmarks/NOTES_kernels.md.
+    """Launch parameters; the defaults come from the H200 grids summarised in docs/kernels.md.
 
     ``config_for`` applies per-device overrides (``DEVICE_CONFIGS``) on top of them.
     """
@@ -70,7 +70,7 @@ class KernelConfig:
     fill: int = 2  # fewest programs per SM, scores and quantile passes (overrides the minimum split length)
     # The filter pass at small B: at most one program per SM from the fill rule, and a grid
     # of less than one wave is not rounded up to a whole one (GQA B = 1, S = 32768: 528
-    # programs 1.45x SDPA, 264 1.17x, 136 1.17x, 128 1.03x; see NOTES_kernels.md).
+    # programs 1.45x SDPA, 264 1.17x, 136 1.17x, 128 1.03x; docs/kernels.md).
     fill2: int = 1
     whole_waves2: bool = False
     filld: int = 1  # the same two choices for the dense kernel (B = 1, S = 8192: 1.81x -> 1.05x SDPA)
@@ -81,6 +81,12 @@ class KernelConfig:
     # Grids of at most this many waves are sized to a whole number of waves (``_splits``).
     waves1: int = 4
     resident2: int = 4
+    # Where a KV group has more than 4 query heads the scan tile pads to 8 heads and the filter
+    # pass takes 255 registers: 2 programs fit on an SM, not 4, so a grid planned for 4 ran in
+    # two waves (ncu, H200, GQA 12/2, B = 16, S = 32768: 512 programs, 1.94 waves, DRAM 43%).
+    # Planned as one wave of 2 (with the persistent scores pass): sparse step 1.36 -> 1.22x
+    # SDPA at s = 0.875, 1.16 -> 1.07x at 0.95; GQA 32/8 unchanged (tune_grid_filter_wide_h200.json).
+    resident2_wide: int = 2
     residentd: int = 3
     wavesd: int = 4
     # Tensor-core dot for QK and PV (heads padded to 16). Triton pipelines the loads
@@ -107,7 +113,7 @@ class KernelConfig:
     # H200, the 8B shape's captured decode calls whose kept rows crowd the first tenth of the
     # positions (one contiguous split gathering 2.5x the mean): filter pass 170 -> 112 us
     # with 256 (128, 512, 1024 gain less); on bench_decode's evenly spread keys it costs
-    # 0.5-2.3% at s = 0.875 and 2-8% at s = 0 (replay_decode.py, BENCHMARKS.md).
+    # 0.5-2.3% at s = 0.875 and 2-8% at s = 0 (benchmarks/studies/replay_decode.py).
     interleave2: int = 256
     # The run is halved until each split of a full-length row gets at least this many: at
     # B = 1, S = 8192 (16 splits of 512 keys) 256-key runs give a split 2 of them, too few to
@@ -307,9 +313,10 @@ def _plan(
     ns1 = _splits(S, rows, block_n1, cfg.programs1, sms, cfg.min_split1, cfg.fill, cfg.resident1, max_waves=cfg.waves1)
     persistent = bool(cfg.persist1) and rows >= cfg.persist1_min_rows and (
         rows * ns1 >= cfg.persist1_min_waves * cfg.persist1 * sms)
-    programs2 = (cfg.programs2_persist_gqa if persistent else cfg.programs2) if gqa else cfg.programs2_mha
+    resident2 = cfg.resident2_wide if G > 4 else cfg.resident2
+    programs2 = (min(cfg.programs2_persist_gqa, resident2) if persistent else cfg.programs2) if gqa else cfg.programs2_mha
     max_split2 = cfg.max_split2_persist_gqa if gqa and persistent else 0
-    ns2 = _splits(S, rows, block_n2, programs2, sms, cfg.min_split2, cfg.fill2, cfg.resident2, cfg.whole_waves2,
+    ns2 = _splits(S, rows, block_n2, programs2, sms, cfg.min_split2, cfg.fill2, resident2, cfg.whole_waves2,
                   max_len=max_split2)
     nsd = _splits(S, rows, block_nd, cfg.programsd, sms, cfg.min_splitd, cfg.filld, cfg.residentd, cfg.whole_wavesd,
                   max_waves=cfg.wavesd)
