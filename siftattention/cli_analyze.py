@@ -14,7 +14,7 @@ from pathlib import Path
 import click
 from rich.console import Console
 
-from .cli_common import OutDir, run_command, user_errors
+from .cli_common import DTYPES, OutDir, resolve_device, run_command, user_errors
 from .progress import progress
 from .report import claim_out_dir
 
@@ -33,7 +33,7 @@ class AnalyzeError(click.ClickException):
 
 def _command_line(params: dict) -> str:
     parts = ["sift", "analyze"]
-    for name in ("model", "dataset", "data_file", "seq_len", "num_seqs", "taus", "warmups", "out"):
+    for name in ("model", "dataset", "data_file", "seq_len", "num_seqs", "taus", "warmups", "out", "device", "dtype"):
         value = params.get(name)
         if value is not None:
             parts += [f"--{name.replace('_', '-')}", str(value)]
@@ -57,8 +57,11 @@ def _command_line(params: dict) -> str:
 @click.option("--warmups", default="64,128,256,512", show_default=True, help="comma-separated warmup lengths (<= seq-len)")
 @click.option("--out", type=OutDir(), default=None, help="output directory [default: runs/analysis/MODEL-DATASET]")
 @click.option("--figures/--no-figures", default=True, show_default=True, help="write the PNG figures and report.md")
+@click.option("--device", default="cpu", show_default=True, help="auto, cpu, cuda or cuda:N")
+@click.option("--dtype", type=click.Choice(DTYPES), default="float32", show_default=True,
+              help="the weights' precision (the quantiles are taken in float32 either way)")
 def analyze(model: str, dataset: str, data_file: str | None, seq_len: int, num_seqs: int, taus: str, warmups: str,
-            out: Path | None, figures: bool) -> None:
+            out: Path | None, figures: bool, device: str, dtype: str) -> None:
     from .eval.analysis import check_lengths, load_analysis_corpus, parse_taus, parse_warmups
 
     if out is None:
@@ -66,23 +69,28 @@ def analyze(model: str, dataset: str, data_file: str | None, seq_len: int, num_s
     try:
         # Cheap checks first: a bad tau or warmup must not wait for the model to load.
         check_lengths(seq_len, num_seqs)
+        device = resolve_device(device)
         parse_taus(taus)
         parse_warmups(warmups, seq_len)
         corpus = load_analysis_corpus(dataset, data_file)
         with claim_out_dir(out) as out:  # held until every file is written
-            _analyze(model, dataset, data_file, seq_len, num_seqs, taus, warmups, corpus, out, figures)
+            _analyze(model, dataset, data_file, seq_len, num_seqs, taus, warmups, corpus, out, figures, device, dtype)
     except user_errors() as err:
         raise AnalyzeError(str(err).splitlines()[0] if str(err) else type(err).__name__) from None
 
 
 def _analyze(model: str, dataset: str, data_file: str | None, seq_len: int, num_seqs: int, taus: str, warmups: str, corpus,
-             out: Path, figures: bool) -> None:
+             out: Path, figures: bool, device: str = "cpu", dtype: str = "float32") -> None:
+    import torch
+
     from .eval.analysis import FEW_STEPS, run_analysis
     from .eval.analysis_report import output_files, write_figures, write_report
     from .output import save_run
 
     command = _command_line(dict(model=model, dataset=dataset, data_file=data_file, seq_len=seq_len, num_seqs=num_seqs,
-                                 taus=taus, warmups=warmups, out=out))
+                                 taus=taus, warmups=warmups, out=out,
+                                 **({} if device == "cpu" else {"device": device}),
+                                 **({} if dtype == "float32" else {"dtype": dtype})))
     start = time.perf_counter()
     if seq_len < FEW_STEPS:
         err_console.print(f"sift: warning: --seq-len {seq_len}: R^2 over fewer than {FEW_STEPS} steps says little about a power law",
@@ -107,7 +115,8 @@ def _analyze(model: str, dataset: str, data_file: str | None, seq_len: int, num_
             bars.update(tasks["layers"], completed=0)
 
         result = run_analysis(model, dataset, data_file=data_file, seq_len=seq_len, num_seqs=num_seqs, taus=taus,
-                              warmups=warmups, corpus=corpus, on_loaded=on_loaded, on_window=on_window, on_layer=on_layer)
+                              warmups=warmups, corpus=corpus, on_loaded=on_loaded, on_window=on_window, on_layer=on_layer,
+                              device=device, dtype=getattr(torch, dtype))
     result.command = command
 
     def draw() -> None:

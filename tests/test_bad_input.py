@@ -230,6 +230,7 @@ CLI_ROWS: list[Cli] = [
     Cli("generate --path compiled", "Invalid value for '--path': 'compiled' is not one of 'auto', 'fast', 'reference'"),
     Cli("generate --device tpu", "--device tpu: expected auto, cpu, cuda or cuda:N"),
     Cli("eval ifeval --method full --device gpu0", "--device gpu0: expected auto, cpu, cuda or cuda:N"),
+    Cli("analyze --device tpu", "--device tpu: expected auto, cpu, cuda or cuda:N"),
     # models
     Cli("ppl --model no-such-org/no-such-model --data-file {corpus} --method full", "unknown model 'no-such-org/no-such-model'"),
     Cli("ppl --model {nocfg} --data-file {corpus} --method full", "is a directory without a config.json"),

@@ -514,6 +514,8 @@ def run_analysis(
     on_loaded: Callable[[Any, torch.Tensor, str], None] | None = None,
     on_window: Callable[[int], None] | None = None,
     on_layer: Callable[[int], None] | None = None,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
 ) -> AnalysisResult:
     """Validate, load corpus then model, record, fit. Cheap checks run before any slow work."""
     from ..data import token_windows
@@ -524,7 +526,7 @@ def run_analysis(
     tau_items = parse_taus(taus)
     warm_items = parse_warmups(warmups, seq_len)
     corpus = corpus if corpus is not None else load_analysis_corpus(dataset, data_file)
-    model, tokenizer = loaded if loaded is not None else load_model(model_name)
+    model, tokenizer = loaded if loaded is not None else load_model(model_name, dtype=dtype, device=device)
     loaded_at = time.perf_counter()
     try:
         windows = token_windows(corpus.text, tokenizer, seq_len, num_seqs)
