@@ -239,3 +239,21 @@ def test_a_tiny_model_runs_every_category_end_to_end(tmp_path):
     assert summaries[1]["all"]["metrics"]["needle_kept_all"] < 1.0
     again = evaluate_generation(model, tok, task, data, specs, tmp_path, settings)  # resumed: nothing decoded again
     assert [s["all"]["metrics"] for s in again] == [s["all"]["metrics"] for s in summaries]
+
+
+# -- the sweep configs ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["smollm2", "gemma3", "qwen"])
+def test_each_models_sweep_config_runs_every_method_within_its_context(name):
+    from pathlib import Path
+
+    from siftattention.eval.sweep import load_sweep
+    from siftattention.eval.tasks.ruler import EMBEDDED_CONTEXT
+
+    sweep = load_sweep(Path(__file__).parent.parent / "configs" / f"ruler_{name}.toml")
+    names = {spec.split(":")[0] for spec in sweep.specs}
+    assert names == {"full", "topk", "toptheta", "skipsoftmax", "oracle", "sift"}
+    assert {"topk:k=0.125", "topk:k=0.05"} <= set(sweep.specs)
+    assert sum(s.startswith("sift:") and "warmup_source=prefill" in s for s in sweep.specs) == 2
+    lengths = [get_task(t.name, **t.options).length for t in sweep.tasks]
+    assert lengths == [n for n in (4096, 8192, 16384, 32768) if n <= EMBEDDED_CONTEXT[sweep.model]]
+    assert sweep.chat == (sweep.model != "gemma3-270m")  # the embedded Gemma-3 is the base checkpoint

@@ -32,6 +32,9 @@ from ..ruler.fitting import LengthError, largest_fitting
 from ..ruler.scoring import matched
 from .base import Sample, Task, TaskData, mean, prompts_digest
 
+#: generated task data by settings and tokenizer (the tokenizer kept with it, so its id is not reused)
+_GENERATED: dict[tuple, tuple[Any, TaskData]] = {}
+
 #: the context each embedded model was trained for (a longer RULER length is refused before any work)
 EMBEDDED_CONTEXT = {"smollm2-135m": 8192, "gemma3-270m": 32768, "qwen2.5-1.5b": 32768}
 
@@ -169,10 +172,14 @@ class Ruler(Task):
             raise ValueError(f"task {self.name} generates its prompts; it reads no data file")
         if self.tokenizer is None:
             raise ValueError(f"task {self.name} measures its prompts in the model's tokens: call for_model() or use_tokenizer() first")
-        samples = [s for category in self.categories for s in self.category_samples(category)]
-        source = (f"generated (seed {self.settings['seed']}, {self.length} tokens, chat {self.chat}): haystacks WikiText-2 "
-                  "(siftattention/resources) and RULER's noise sentences")
-        return TaskData(samples, source, prompts_digest(samples))
+        # A sweep loads every task to check it before the model loads, then again to run it: fit the haystacks once.
+        key = (self.length, tuple(c.name for c in self.categories), tuple(sorted(self.settings.items())), id(self.tokenizer), self.chat)
+        if key not in _GENERATED:
+            samples = [s for category in self.categories for s in self.category_samples(category)]
+            source = (f"generated (seed {self.settings['seed']}, {self.length} tokens, chat {self.chat}): haystacks WikiText-2 "
+                      "(siftattention/resources) and RULER's noise sentences")
+            _GENERATED[key] = (self.tokenizer, TaskData(samples, source, prompts_digest(samples)))
+        return _GENERATED[key][1]
 
     # -- scoring ---------------------------------------------------------------------------------------
     def cut_reply(self, reply: str, max_new_tokens: int) -> str:
