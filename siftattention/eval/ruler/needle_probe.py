@@ -45,14 +45,14 @@ def kept_sets(model: Any, prompt: Sequence[int], method: Any) -> tuple[list[torc
 
 def needle_report(kept: Sequence[torch.Tensor], approximated: Sequence[bool], positions: Sequence[int]) -> dict[str, Any]:
     """A compact summary: the share of (layer, head) that kept every needle key, the share of needle keys kept,
-    and the layers where some head dropped one."""
+    that share of heads per layer, and the layers where no head kept the whole needle."""
     if not positions:
         return {"needle_tokens": 0}
     if not kept:
         return {"needle_tokens": len(positions), "decode_step": False}
     index = torch.tensor(list(positions), dtype=torch.long)
     per_head = [k[:, index] for k in kept]  # [Hq, N] per layer
-    whole = [h.all(dim=1) for h in per_head]  # [Hq] per layer
+    whole = [h.all(dim=1) for h in per_head]  # [Hq] per layer: this head kept every needle key
     heads = sum(int(w.numel()) for w in whole)
     return {
         "needle_tokens": len(positions),
@@ -60,7 +60,8 @@ def needle_report(kept: Sequence[torch.Tensor], approximated: Sequence[bool], po
         "approximated": any(approximated),
         "kept_all_fraction": sum(int(w.sum()) for w in whole) / heads,
         "kept_token_fraction": sum(float(h.float().sum()) for h in per_head) / (heads * len(positions)),
-        "dropped_layers": [layer for layer, w in enumerate(whole) if not bool(w.all())],
+        "layer_kept_all": [round(float(w.float().mean()), 3) for w in whole],
+        "layers_dropped": [layer for layer, w in enumerate(whole) if not bool(w.any())],
     }
 
 
@@ -68,6 +69,6 @@ def probe_needle(model: Any, prompt: Sequence[int], method: Any, positions: Sequ
     """``needle_report`` of ``method`` on one prompt; a method that is always exact keeps every key without a probe."""
     if getattr(method, "always_exact", False):
         return {"needle_tokens": len(positions), "decode_step": True, "approximated": False, "kept_all_fraction": 1.0,
-                "kept_token_fraction": 1.0, "dropped_layers": []}
+                "kept_token_fraction": 1.0, "layer_kept_all": None, "layers_dropped": []}
     kept, approximated = kept_sets(model, prompt, method)
     return needle_report(kept, approximated, positions)

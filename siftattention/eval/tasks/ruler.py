@@ -103,7 +103,8 @@ class Ruler(Task):
             raise ValueError(f"task {self.name}: depth must be a percentage 0..100, or -1 for RULER's random depths, got {s['depth']}")
         if s["diagnose"] not in (0, 1):
             raise ValueError(f"task {self.name}: diagnose must be 0 or 1, got {s['diagnose']}")
-        names = list(CATEGORIES) if s["categories"] == "all" else [c.strip() for c in str(s["categories"]).split(",") if c.strip()]
+        listed = s["categories"] if isinstance(s["categories"], (list, tuple)) else str(s["categories"]).split(",")  # a TOML list or "a,b"
+        names = list(CATEGORIES) if s["categories"] == "all" else [str(c).strip() for c in listed if str(c).strip()]
         unknown = [c for c in names if c not in CATEGORIES]
         if unknown or not names:
             raise ValueError(f"task {self.name}: unknown category {(unknown or [s['categories']])[0]!r}; known: all, {', '.join(CATEGORIES)}")
