@@ -42,9 +42,9 @@ def _wrap_user_errors(fn, *args, **kwargs):
 
 @click.command(
     name="eval",
-    help="Evaluate methods on a generation task (ifeval, math-hard, longgen, longgen-wu): batched greedy decoding with "
+    help="Evaluate methods on a generation task (ifeval, math-hard, longgen, longgen-wu, ruler, ruler-4k/8k/16k/32k): batched greedy decoding with "
     "the chat template, per-sample JSONL and a summary per method in OUT/TASK/, resumable.\n\n\b\n" + SPEC_HELP,
-    short_help="Methods on a generation task (ifeval, math-hard, longgen).",
+    short_help="Methods on a generation task (ifeval, math-hard, longgen, ruler).",
 )
 @click.argument("task_name", metavar="TASK")
 @click.option("--model", "model_name", default="smollm2-135m", show_default=True, help="embedded name, local directory or hub id")
@@ -55,7 +55,7 @@ def _wrap_user_errors(fn, *args, **kwargs):
 @click.option("--out", type=OutDir(), default=Path("runs/eval"), show_default=True, help="directory for OUT/TASK/ (created if missing)")
 @click.option("--data-file", type=click.Path(path_type=Path), default=None, help="the task's data file (JSONL, or the LongGenBench file)")
 @click.option("--data-dir", type=click.Path(path_type=Path), default=None, help="a directory with the LongGenBench files (gsm8k/, spinning-golden-thread/)")
-@click.option("--task-option", "task_options", multiple=True, help="KEY=VALUE, repeatable: longgen k=35, math-hard fewshot=4")
+@click.option("--task-option", "task_options", multiple=True, help="KEY=VALUE, repeatable: longgen k=35, math-hard fewshot=4, ruler length=8192 samples=4 diagnose=1")
 @click.option("--chat/--no-chat", default=True, show_default=True, help="prompt through the tokenizer's chat template")
 @click.option("--min-new-tokens", type=int, default=None, help="'valid' samples generated at least this many tokens [default: the largest warmup]")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N")

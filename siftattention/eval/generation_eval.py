@@ -36,6 +36,7 @@ import torch
 from ..methods import Full, Method, parse_method
 from ..output import OutputWriteError, json_bytes, json_line, save_run, write_bytes, write_json
 from .batching import left_pad
+from .prompt_encoding import encode_prompt
 from .tasks import Sample, Task, TaskData, agreement
 from .tasks.base import mean
 
@@ -53,14 +54,7 @@ def has_chat_template(tokenizer) -> bool:
 
 def encode_prompts(tokenizer, samples: Sequence[Sample], chat: bool) -> list[list[int]]:
     """Token ids of each prompt: the chat template with a generation prompt, or the plain text."""
-    encoded = []
-    for s in samples:
-        if chat:
-            text = tokenizer.apply_chat_template(list(s.messages), add_generation_prompt=True, tokenize=False)
-            encoded.append(tokenizer(text, add_special_tokens=False)["input_ids"])
-        else:
-            encoded.append(tokenizer(s.plain)["input_ids"])
-    return encoded
+    return [encode_prompt(tokenizer, s, chat) for s in samples]
 
 
 END_OF_TURN = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|end|>", "<|endoftext|>", "</s>", "<eos>")
@@ -402,7 +396,8 @@ def evaluate_generation(
                     "hit_eos": output.hit_eos[j],
                     "realized_sparsity": output.sparsity[j],
                     "realized_sparsity_post_warmup": output.sparsity_post_warmup[j],
-                    "scores": task.score(sample, task.cut_at_stop(text)) if settings.score else None,
+                    "scores": {**task.score(sample, task.cut_at_stop(text)), **task.probe(model, sample, prompts[i], method)}
+                    if settings.score else None,
                     "agreement": None if method.name == "full" else agreement(full_tokens[sample.id], tokens),
                     "fast": output.fast,
                     "device": device_name,

@@ -60,6 +60,7 @@ def run_eval(task_name: str, model_name: str, specs: Sequence[str], *, out: Path
 
     methods = with_full(specs)  # a bad spec fails before anything else
     task = get_task(task_name, **task_options)
+    task.for_model(model_name, chat)
     settings = EvalSettings(model=model_name, max_new_tokens=max_new_tokens or task.default_max_new_tokens, batch_size=batch_size,
                             limit=limit, chat=chat, min_new_tokens=min_new_tokens, path=path, score=score, decode=decode)
     check_settings(settings)

@@ -151,6 +151,7 @@ def run_sweep(sweep: Sweep, *, plots_only: bool = False, decode: bool = True, lo
     checked = []
     for t in sweep.tasks:
         task = get_task(t.name, **t.options)
+        task.for_model(sweep.model, sweep.chat)
         data = task.load(t.data_path)
         settings = EvalSettings(model=sweep.model, max_new_tokens=t.max_new_tokens or task.default_max_new_tokens,
                                 batch_size=t.batch_size or sweep.batch_size, limit=t.limit, chat=sweep.chat,

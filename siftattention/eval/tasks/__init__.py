@@ -1,4 +1,4 @@
-"""Generation tasks, one file each: IFEval, MATH-Hard, LongGenBench (GSM8K variant and Wu et al.)."""
+"""Generation tasks, one file each: IFEval, MATH-Hard, LongGenBench (GSM8K variant and Wu et al.), RULER."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ from .ifeval import IFEval
 from .longgen import LongGenGSM8K
 from .longgen_wu import LongGenWu
 from .math_hard import MathHard
+from .ruler import RULER_TASKS
 
-TASKS: dict[str, type[Task]] = {cls.name: cls for cls in (IFEval, MathHard, LongGenGSM8K, LongGenWu)}
+TASKS: dict[str, type[Task]] = {cls.name: cls for cls in (IFEval, MathHard, LongGenGSM8K, LongGenWu, *RULER_TASKS)}
 
 
 def parse_options(pairs: tuple[str, ...] | list[str]) -> dict[str, Any]:

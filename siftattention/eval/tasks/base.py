@@ -28,13 +28,15 @@ class Sample:
 
     ``messages`` is the chat form (system/user turns) given to the chat template;
     ``plain`` is the prompt as plain text for models without a chat template (``--no-chat``);
-    ``target`` holds what the scorer needs (gold answers, instruction ids), never the prompt.
+    ``target`` holds what the scorer needs (gold answers, instruction ids), never the prompt;
+    ``reply_prefix`` opens the assistant's turn after the chat template (``plain`` already ends with it).
     """
 
     id: str
     messages: tuple[dict[str, str], ...]
     plain: str
     target: dict[str, Any] = field(default_factory=dict)
+    reply_prefix: str = ""
 
 
 @dataclass(frozen=True)
@@ -47,7 +49,8 @@ class TaskData:
 def prompts_digest(samples: Sequence[Sample]) -> str:
     h = hashlib.sha256()
     for s in samples:
-        h.update(json.dumps([s.id, list(s.messages), s.plain], sort_keys=True, ensure_ascii=False).encode())
+        fields = [s.id, list(s.messages), s.plain] + ([s.reply_prefix] if s.reply_prefix else [])
+        h.update(json.dumps(fields, sort_keys=True, ensure_ascii=False).encode())
     return h.hexdigest()
 
 
@@ -88,6 +91,13 @@ class Task:
     def aggregate(self, rows: Sequence[dict[str, Any]]) -> dict[str, float]:
         """Metrics over the score fields of several responses (NaN when there are none)."""
         raise NotImplementedError
+
+    def for_model(self, model_name: str, chat: bool) -> None:
+        """Settings that depend on the model, called before ``load`` (prompts measured in its tokens); most tasks need none."""
+
+    def probe(self, model: Any, sample: Sample, prompt: list[int], method: Any) -> dict[str, Any]:
+        """Score fields measured on the model itself (a costly check behind a task option); none by default."""
+        return {}
 
     def info(self) -> dict[str, Any]:
         """How this task scores (checker package and version, fallbacks in use): recorded in results."""
