@@ -151,11 +151,14 @@ def test_a_too_short_prompt_falls_back_to_the_decode_warmup():
     assert "warmup" not in long.timings["phases"] and method.decode_phase(0) == "sparse"
 
 
-def test_recalibration_runs_alike_in_the_fast_loop_and_the_reference_path():
-    """Every 4th sparse step measures its exact quantile: same tokens, fits and sparsity on all three paths."""
+@pytest.mark.parametrize("normalizer", ["exact", "anchored"])
+def test_recalibration_runs_alike_in_the_fast_loop_and_the_reference_path(normalizer):
+    """Every 4th sparse step measures its exact quantile: same tokens, fits and sparsity on all three paths
+    (anchored: the first decoded token filters with the last prompt row's gap)."""
     model = _model()
     ids, mask = _padded_prompts([90, 70])
-    method = Sift(tau=0.7, warmup=4, recalibrate_every=4, recalibrate_decay=0.8)
+    method = Sift(tau=0.7, warmup=4, recalibrate_every=4, recalibrate_decay=0.8, normalizer=normalizer, anchor_first=2,
+                  anchor_last=8)
     results = []
     for backend in (None, "torch"):
         with apply(model, method, decode_backend=backend) as handle:
@@ -170,7 +173,7 @@ def test_recalibration_runs_alike_in_the_fast_loop_and_the_reference_path():
         torch.testing.assert_close(alpha, results[0][1], rtol=1e-4, atol=1e-7)
         torch.testing.assert_close(beta, results[0][2], rtol=1e-4, atol=1e-5)
         assert sparsity == pytest.approx(results[0][3], abs=1e-9)
-    with apply(model, Sift(tau=0.7, warmup=4, recalibrate_every=0)) as handle:
+    with apply(model, Sift(tau=0.7, warmup=4, recalibrate_every=0, normalizer=normalizer, anchor_first=2, anchor_last=8)) as handle:
         model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=14, do_sample=False, pad_token_id=0, eos_token_id=None)
         assert not torch.allclose(handle.stats.beta, results[0][2])  # the measurements did move the fit
 

@@ -58,7 +58,6 @@ class SiftState:
     prompt_recorded: torch.Tensor  # [B, n] bool, sampled rows measured so far
     calibrated: torch.Tensor  # [B] bool, the batch's prompts are long enough to calibrate on
     sparse_steps: torch.Tensor  # [B] int64 approximated steps so far (``select``'s recalibration count)
-    after_prompt: torch.Tensor  # [B] bool, a prompt was prefilled: later rows are decode steps, which recalibrate
     warmup_fit: torch.Tensor  # [B, H, 2] float64 the decode warmup's fit so far, log alpha and beta (adaptive warmup)
     warmup_settled: torch.Tensor  # [B] bool, its predicted next quantile moved by at most the tolerance at the last step
 
@@ -176,14 +175,16 @@ class Sift(Method):
         if self.warmup_tolerance < 0:
             raise ValueError(f"warmup_tolerance must be >= 0, got {self.warmup_tolerance!r}")
         self.warmup_min = check_int("warmup_min", self.warmup_min, 2)
-        # Host-side, set by each prompt: the decode step where the decode warmup ends (0: no decode warmup).
-        self._warmup_end = 0 if self.warmup_source == "prefill" else self.warmup
         if self.normalizer not in ("exact", "anchored"):
             raise ValueError(f"normalizer must be 'exact' or 'anchored', got {self.normalizer!r}")
         self.anchor_first = check_int("anchor_first", self.anchor_first, 0)
         self.anchor_last = check_int("anchor_last", self.anchor_last, 0)
         if self.anchor_first + self.anchor_last == 0:
             raise ValueError("anchor_first + anchor_last must be at least 1")
+        # Host-side, set by each prompt: the decode step where the decode warmup ends (0: no decode warmup),
+        # and whether the batch was calibrated on its prompts (only such fits recalibrate).
+        self._warmup_end = 0 if self.warmup_source == "prefill" else self.warmup
+        self._recalibrating = False
 
     def reorder_state(self, state: SiftState, index: torch.Tensor) -> SiftState:
         return select_sequences(state, index)  # every field has one row per sequence
@@ -211,7 +212,6 @@ class Sift(Method):
             prompt_recorded=torch.zeros(batch, rows, **flag),
             calibrated=torch.zeros(batch, **flag),
             sparse_steps=torch.zeros(batch, dtype=torch.long, device=device),
-            after_prompt=torch.zeros(batch, **flag),
             warmup_fit=torch.full((batch, heads, 2), float("nan"), dtype=torch.float64, device=device),
             warmup_settled=torch.zeros(batch, **flag),
         )
@@ -294,8 +294,8 @@ class Sift(Method):
         beta = state.beta[:, :, None].expand(B, H, R).clone()
         if self.recalibrate_every:
             index = state.sparse_steps[:, None] + torch.cumsum(approx.long(), dim=1)  # 1-based among approximated rows
-            # Decode steps only: a teacher-forced pass without a prompt keeps the paper's one fit.
-            measure = approx & state.after_prompt[:, None] & (index % self.recalibrate_every == 0)
+            # Fits made on a prompt only: the paper's warmup (and a teacher-forced pass) keeps its one fit.
+            measure = approx & state.calibrated[:, None] & (index % self.recalibrate_every == 0)
             for r in measure.any(dim=0).nonzero()[:, 0].tolist():
                 probs = rows.probs[:, :, r]
                 theta = masked_quantile(probs, rows.valid[:, :, r].expand_as(probs), self.tau)
@@ -323,16 +323,16 @@ class Sift(Method):
         return -torch.log((rows.probs * anchor).sum(-1))
 
     def decode_phase(self, step: int) -> str:
-        """'warmup' for the decode warmup's steps (none after a calibrating prompt), then 'sparse', with
-        every ``recalibrate_every``-th sparse step a 'recalibrate' step."""
+        """'warmup' for the decode warmup's steps (none after a calibrating prompt), then 'sparse'; after a
+        calibrating prompt every ``recalibrate_every``-th sparse step is a 'recalibrate' step."""
         if step < self._warmup_end:
             return "warmup"
-        if self.recalibrate_every and (step - self._warmup_end + 1) % self.recalibrate_every == 0:
+        if self._recalibrating and self.recalibrate_every and (step - self._warmup_end + 1) % self.recalibrate_every == 0:
             return "recalibrate"
         return "sparse"
 
     def phases_to_compile(self, step: int) -> tuple[str, ...]:
-        later = ("sparse", "recalibrate") if self.recalibrate_every else ("sparse",)
+        later = ("sparse", "recalibrate") if self._recalibrating and self.recalibrate_every else ("sparse",)
         return ("warmup", *later) if self.decode_phase(step) == "warmup" else later
 
     def decode_step(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, keys: KeyRange, state: SiftState, phase: str, kernels: Any) -> DecodeOutput:
@@ -356,7 +356,7 @@ class Sift(Method):
         if phase == "recalibrate":
             # The step filters with the fit so far, then its exact quantile joins the fit.
             _, theta = kernels.warmup(query, k_cache, v_cache, self.tau, keys.seq_lens, keys.starts)
-            self._recalibrate(state, keys.steps(), theta, state.fitted)
+            self._recalibrate(state, keys.steps(), theta, state.calibrated)
         return DecodeOutput(out, kept, state.fitted)
 
     def _watch_warmup(self, state: SiftState) -> None:
@@ -436,12 +436,13 @@ class Sift(Method):
         """warmup_source='prompt': measure the quantiles of the chunk's sampled rows (``calibration``)."""
         calibration = self.calibration
         state.calibrated.copy_(calibration.usable(chunk.prompt_steps))
-        self._warmup_end = 0 if bool(state.calibrated.all()) else self.warmup
+        self._recalibrating = bool(state.calibrated.all())
+        self._warmup_end = 0 if self._recalibrating else self.warmup
         state.prompt_targets.copy_(calibration.targets(chunk.prompt_steps))
         # [B, Q, n]: which sampled step each row is (a step is sampled at most once per sequence)
         hits = chunk.steps[:, :, None] == state.prompt_targets[:, None, :]
         b_idx, r_idx, slot = hits.nonzero(as_tuple=True)
-        # Rows at a time so the float32 scores of a long prompt stay within CHUNK_ELEMENTS.
+        # Rows at a time so the float32 scores of a long prompt stay within PROMPT_CHUNK_ELEMENTS.
         heads, keys = chunk.query.shape[1], chunk.key.shape[2]
         per_call = max(1, PROMPT_CHUNK_ELEMENTS // max(1, heads * keys))
         for b in b_idx.unique().tolist():
@@ -452,9 +453,13 @@ class Sift(Method):
                 theta = masked_quantile(probs, valid.expand_as(probs), self.tau)  # [H, n]
                 state.prompt_thetas[b, :, slots[a:a + per_call]] = theta
                 state.prompt_recorded[b, slots[a:a + per_call]] = True
+        if self.anchored:  # the first decoded token filters with the last prompt row's gap, as after a warmup
+            for b, r in (chunk.steps == chunk.prompt_steps[:, None]).nonzero().tolist():
+                probs, valid = chunk.probs(b, torch.tensor([r], device=chunk.query.device))
+                anchors = anchor_mask(valid, self.anchor_first, self.anchor_last)
+                state.gap[b] = -torch.log((probs * anchors).sum(-1))[:, 0]
 
     def finish_prefill(self, state: SiftState) -> None:
-        state.after_prompt.fill_(True)
         if self.warmup_source == "decode":
             self._warmup_end = self.warmup
         if self.warmup_source == "prefill":
