@@ -153,14 +153,14 @@ def test_a_too_short_prompt_falls_back_to_the_decode_warmup():
 
 @pytest.mark.parametrize("normalizer", ["exact", "anchored"])
 def test_recalibration_runs_alike_in_the_fast_loop_and_the_reference_path(normalizer):
-    """Every 4th sparse step measures its exact quantile: same tokens, fits and sparsity on all three paths
-    (anchored: the first decoded token filters with the last prompt row's gap)."""
+    """Every 4th sparse step measures its exact quantile: same tokens, fits and sparsity on the reference
+    path (``select``) and in the fast loop (anchored: the first decoded token filters with the last prompt row's gap)."""
     model = _model()
     ids, mask = _padded_prompts([90, 70])
     method = Sift(tau=0.7, warmup=4, recalibrate_every=4, recalibrate_decay=0.8, normalizer=normalizer, anchor_first=2,
                   anchor_last=8)
     results = []
-    for backend in (None, "torch"):
+    for backend in (None,):
         with apply(model, method, decode_backend=backend) as handle:
             out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=14, do_sample=False, pad_token_id=0,
                                  eos_token_id=None)
