@@ -223,3 +223,19 @@ def test_calibration_options_are_checked_and_spelled_only_when_changed():
                             ({"warmup_min": 1}, "warmup_min must be an integer >= 2")]:
         with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
             Sift(**kwargs)
+
+
+def test_perplexity_after_a_prompt_scores_decode_steps_only():
+    from siftattention.eval.perplexity import evaluate_perplexity
+
+    model = _model()
+    windows = torch.randint(3, 96, (1, 100), generator=torch.Generator().manual_seed(5))
+    methods = [("paper", Sift(tau=0.7, warmup=8, warmup_source="decode", recalibrate_every=0)), ("prompt", Sift(tau=0.7, warmup=8))]
+    results, warm = evaluate_perplexity(model, windows, methods, prompt_len=70)
+    paper, prompt = results
+    assert (paper.tokens, paper.tokens_post_warmup, warm) == (29, 21, 8)  # steps 71..99; post-warmup S > 78
+    # The paper's 8 dense decode steps count as 0 in its realized sparsity; the prompt fit is sparse throughout.
+    assert paper.realized_sparsity < paper.realized_sparsity_post_warmup
+    assert prompt.realized_sparsity == pytest.approx(prompt.realized_sparsity_post_warmup, abs=0.05) and prompt.realized_sparsity > 0.3
+    with pytest.raises(ValueError, match="a prompt of 98 tokens leaves no decode steps to score in a window of 100 tokens"):
+        evaluate_perplexity(model, windows, methods, prompt_len=98)
