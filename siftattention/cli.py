@@ -62,25 +62,26 @@ def _load(model_name: str, device: str = "cpu", dtype: str = "float32"):
 
 def run_ppl(
     model_name: str, dataset: str, data_file: str | None, seq_len: int, num_seqs: int, specs: tuple[str, ...], out: Path, loaded=None,
-    device: str = "cpu", dtype: str = "float32",
+    device: str = "cpu", dtype: str = "float32", prompt_len: int = 0,
 ) -> dict:
     """Load, evaluate and write ``out/results.json`` (+ the sweep plot); returns the results payload."""
     from .data import load_corpus
-    from .eval.perplexity import check_windows
+    from .eval.perplexity import check_prompt_len, check_windows
     from .report import claim_out_dir
 
     # Every cheap check before the model load: specs, data, the output directory (held until the results are written).
     methods = parse_methods(specs)
     check_windows(methods, seq_len)  # a warmup longer than the window: refused before the model loads
+    check_prompt_len(prompt_len, seq_len)
     corpus = load_corpus(dataset, data_file)
     if not corpus.text.strip():
         raise ValueError(f"the corpus is empty ({corpus.source})")
     with claim_out_dir(out) as out:
-        return _ppl(model_name, dataset, corpus, seq_len, num_seqs, methods, out, loaded, device, dtype)
+        return _ppl(model_name, dataset, corpus, seq_len, num_seqs, methods, out, loaded, device, dtype, prompt_len)
 
 
 def _ppl(model_name: str, dataset: str, corpus, seq_len: int, num_seqs: int, methods: list, out: Path, loaded,
-         device: str = "cpu", dtype: str = "float32") -> dict:
+         device: str = "cpu", dtype: str = "float32", prompt_len: int = 0) -> dict:
     from .data import token_windows
     from .eval.perplexity import evaluate_perplexity
     from .output import json_bytes, save_run
@@ -98,7 +99,7 @@ def _ppl(model_name: str, dataset: str, corpus, seq_len: int, num_seqs: int, met
         def on_step(spec: str, i: int) -> None:
             bars.update(task, advance=1, description=f"perplexity [{spec}]")
 
-        results, warm = evaluate_perplexity(model, windows, methods, on_step=on_step)
+        results, warm = evaluate_perplexity(model, windows, methods, on_step=on_step, prompt_len=prompt_len)
     rows = [r.to_dict() for r in results]
     payload = {
         "model": model_name,
@@ -107,6 +108,7 @@ def _ppl(model_name: str, dataset: str, corpus, seq_len: int, num_seqs: int, met
         "seq_len": seq_len,
         "num_seqs": num_seqs,
         "post_warmup_from": warm,
+        **({"prompt_len": prompt_len} if prompt_len else {}),
         "versions": versions(),
         "elapsed_s": round(time.perf_counter() - start, 1),
         "results": rows,
@@ -247,10 +249,14 @@ settings, ppl_vs_sparsity.png. One run at a time per --out: a second one stops a
               help="directory for results.json and ppl_vs_sparsity.png (created if missing)")
 @click.option("--device", default="cpu", show_default=True, help="auto, cpu, cuda or cuda:N (unused under torchrun)")
 @click.option("--dtype", type=click.Choice(DTYPES), default="float32", show_default=True, help="the weights' precision")
+@click.option("--prompt-len", default=0, show_default=True, type=click.IntRange(min=0),
+              help="score each window as a decode: its first N tokens are a prompt (prefilled exactly, Sift calibrates on "
+                   "it), the tokens after it are decode steps and the only ones scored (0: every row is a step)")
 def ppl(model_name: str, dataset: str, data_file: str | None, seq_len: int, num_seqs: int, specs: tuple[str, ...], out: Path,
-        device: str, dtype: str) -> None:
+        device: str, dtype: str, prompt_len: int) -> None:
 
-    run_ppl(model_name, dataset, data_file, seq_len, num_seqs, specs, out, device=resolve_device(device), dtype=dtype)
+    run_ppl(model_name, dataset, data_file, seq_len, num_seqs, specs, out, device=resolve_device(device), dtype=dtype,
+            prompt_len=prompt_len)
 
 
 @cli.command(help="Greedy generation with one or more methods, printed side by side, with tokens/s and realized sparsity. "

@@ -34,7 +34,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from .attention import LayerRecord, exact_attention, is_causal_block, method_attention, valid_keys
 from .inputs import check_token_inputs
 from .kernels.plan import BACKENDS
-from .methods.base import KeyRange, Method
+from .methods.base import KeyRange, Method, PromptChunk
 from .models import warn_beyond_positions
 from .parallel import gather_heads, tensor_parallel_group
 
@@ -363,6 +363,11 @@ class SiftHandle:
                 scaling=scaling, bias=bias, softcap=softcap, prefill=prefill, record=self.records[layer],
             )
         if prefill:
+            if self.method.observes_prompt():
+                prompt_steps = valid[:, 0, -1].sum(-1)
+                if self.prompt_len is not None:  # the prompt's later chunks are real tokens (padding is on the left)
+                    prompt_steps = prompt_steps + max(0, self.prompt_len - fed - Q)
+                self.method.observe_prompt(PromptChunk(query, key, valid, prompt_steps, scaling, bias, softcap), state)
             self.method.finish_prefill(state)
         elif decoding:
             self._decoded[layer] += 1
@@ -419,8 +424,13 @@ class SiftHandle:
         if planned and kernels.compiles_ahead:
             self._compile_ahead(kernels, layer, step, query, key, value, keys)
         res = self.method.decode_step(query[:, :, 0], key, value, keys, state, phase, kernels)
-        if self.context is None and self.method.decode_phase(step + 1) != phase:  # the fast loop ends phases for all layers
-            self.method.end_decode_phase(phase, [state])
+        if self.context is None:  # the fast loop ends steps and phases for all layers itself
+            last = layer == max(self.states)
+            if last:
+                self.after_decode_step(step, phase)
+            if self.method.decode_phase(step + 1) != phase:
+                # A phase the step's last layer ended early: every layer's work for it now.
+                self.method.end_decode_phase(phase, self._ordered_states() if last else [state])
         B, Hq = query.shape[:2]
         steps = keys.steps()
         kept = res.kept if res.kept is not None else steps[:, None].expand(B, Hq)
@@ -430,9 +440,16 @@ class SiftHandle:
         self._decoded[layer] += 1
         return res.out[:, None], None
 
+    def _ordered_states(self) -> list[Any]:
+        return [self.states[layer] for layer in sorted(self.states)]
+
+    def after_decode_step(self, step: int, phase: str) -> None:
+        """The method's host work after decode step ``step`` ran in every layer."""
+        self.method.after_decode_step(step, phase, self._ordered_states())
+
     def end_decode_phase(self, phase: str) -> None:
         """The method's work after the last step of ``phase`` in every layer (the fast loop calls it)."""
-        self.method.end_decode_phase(phase, [self.states[layer] for layer in sorted(self.states)])
+        self.method.end_decode_phase(phase, self._ordered_states())
 
     def _compile_ahead(self, kernels: Any, layer: int, step: int, query: torch.Tensor, key: torch.Tensor,
                        value: torch.Tensor, keys: KeyRange) -> None:

@@ -160,3 +160,86 @@ def predict_log(log_alpha: torch.Tensor, beta: torch.Tensor, steps: torch.Tensor
     steps = torch.as_tensor(steps, dtype=log_alpha.dtype, device=log_alpha.device).clamp(min=1)
     out = torch.exp(log_alpha - beta * steps.log())
     return torch.nan_to_num(out, nan=0.0, posinf=torch.finfo(out.dtype).max, neginf=0.0)
+
+
+@dataclass
+class PowerLawSums:
+    """Weighted least-squares sums of ``y = log theta`` on ``x = log S``, batched over any shape.
+
+    A point is added in O(1) and every earlier weight can be multiplied by a forgetting
+    factor first, so a fit follows a series as it goes (Sift's recalibration) without
+    keeping its points. ``add`` updates the tensors in place: a captured CUDA graph that
+    holds them keeps working. float64 throughout: ``sum x^2 - (sum x)^2 / n`` loses digits
+    in raw sums.
+    """
+
+    weight: torch.Tensor  # sum w
+    x: torch.Tensor  # sum w x
+    y: torch.Tensor  # sum w y
+    xx: torch.Tensor  # sum w x^2
+    xy: torch.Tensor  # sum w x y
+    yy: torch.Tensor  # sum w y^2
+
+    @classmethod
+    def zeros(cls, shape: tuple[int, ...], device: torch.device | str | None = None) -> "PowerLawSums":
+        return cls(*(torch.zeros(shape, dtype=torch.float64, device=device) for _ in range(6)))
+
+    @classmethod
+    def of_points(cls, steps: torch.Tensor, thetas: torch.Tensor, valid: torch.Tensor | None = None) -> "PowerLawSums":
+        """The sums over the last dimension of ``thetas`` ([..., n]; ``steps`` broadcasts against it)."""
+        x, y, w = _points(steps, thetas, valid)
+        return cls(w.sum(-1), (w * x).sum(-1), (w * y).sum(-1), (w * x * x).sum(-1), (w * x * y).sum(-1), (w * y * y).sum(-1))
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.weight, self.x, self.y, self.xx, self.xy, self.yy
+
+    def add(self, steps: torch.Tensor, thetas: torch.Tensor, where: torch.Tensor | None = None, decay: float = 1.0) -> None:
+        """In place: every sum times ``decay``, then the point (steps, thetas) with weight 1, where ``where`` holds.
+
+        ``steps`` and ``thetas`` broadcast against the sums; elsewhere the sums stay as they are.
+        """
+        x, y, _ = _points(steps, thetas, None)
+        x, y = torch.broadcast_tensors(x, y)
+        for total, term in zip(self.tensors(), (torch.ones_like(x), x, y, x * x, x * y, y * y)):
+            updated = total * decay + term
+            total.copy_(updated if where is None else torch.where(where, updated, total))
+
+    def scaled_to(self, total: float) -> "PowerLawSums":
+        """The same points with their weights scaled to sum to ``total`` (the same fit, more or less say
+        against points added later); no point stays no point."""
+        factor = total / self.weight.clamp(min=torch.finfo(torch.float64).tiny)
+        return PowerLawSums(*(t * factor for t in self.tensors()))
+
+    def copy_(self, other: "PowerLawSums", where: torch.Tensor | None = None) -> None:
+        """In place: take ``other``'s sums (where ``where`` holds)."""
+        for mine, theirs in zip(self.tensors(), other.tensors()):
+            mine.copy_(theirs if where is None else torch.where(where, theirs, mine))
+
+    def fit(self) -> PowerLawFit:
+        """The least-squares fit of the summed points: ``fit_power_law``'s rule, degenerate cases included
+        (fewer than two distinct steps: ``beta = 0`` and alpha the geometric mean; no point: ``log alpha = 0``)."""
+        n = self.weight.clamp(min=torch.finfo(torch.float64).tiny)
+        x_mean, y_mean = self.x / n, self.y / n
+        sxx = (self.xx - n * x_mean * x_mean).clamp(min=0)
+        sxy = self.xy - n * x_mean * y_mean
+        syy = (self.yy - n * y_mean * y_mean).clamp(min=0)
+        # Relative to the raw sum: the cancellation leaves ~1e-16 * xx even for equal steps.
+        ok = sxx > 1e-12 * (1.0 + self.xx.abs())
+        slope = torch.where(ok, sxy / torch.where(ok, sxx, torch.ones_like(sxx)), torch.zeros_like(sxx))
+        intercept = y_mean - slope * x_mean
+        finite = torch.isfinite(slope) & torch.isfinite(intercept)
+        slope = torch.where(finite, slope, torch.zeros_like(slope))
+        intercept = torch.where(finite, intercept, torch.zeros_like(intercept))
+        flat = syy <= 1e-12 * (1.0 + self.yy.abs())
+        ss_res = (syy - slope * sxy).clamp(min=0)  # the residual of the fitted line
+        r2 = torch.where(flat, (ss_res <= 1e-12 * (1.0 + self.yy.abs())).to(syy.dtype),
+                         1.0 - ss_res / torch.where(flat, torch.ones_like(syy), syy))
+        return PowerLawFit(log_alpha=intercept, beta=-slope, r2=r2)
+
+
+def _points(steps: torch.Tensor, thetas: torch.Tensor, valid: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(log S, log theta, weight) in float64, as ``fit_power_law`` takes them."""
+    y = _safe_log(torch.as_tensor(thetas).to(torch.float64))
+    x = torch.as_tensor(steps, dtype=torch.float64, device=y.device).clamp(min=1).log()
+    w = torch.ones_like(y) if valid is None else valid.to(torch.float64).expand_as(y)
+    return x, y, w

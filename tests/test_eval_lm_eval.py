@@ -73,7 +73,7 @@ def test_lm_eval_command_writes_results(tmp_path, task_dir, capsys):
     main(["lm-eval", "--tasks", "sift_local_gen", "--include-path", str(task_dir), "--model", str(model_dir), "--method", "full",
           "--method", "sift:tau=0.5,warmup=2", "--limit", "2", "--batch-size", "2", "--out", str(tmp_path / "out")])
     files = sorted(p.name for p in (tmp_path / "out").glob("*.json"))
-    assert files == ["full.json", "sift_tau_0.5_warmup_2_renormalize_False_warmup_source_decode.json"]
+    assert files == ["full.json", "sift_tau_0.5_warmup_2_renormalize_False_warmup_source_prompt.json"]
     payload = json.loads((tmp_path / "out" / files[1]).read_text())
     assert payload["method"] == "sift:tau=0.5,warmup=2" and "sift_local_gen" in payload["results"]
     assert "sift_local_gen" in capsys.readouterr().out

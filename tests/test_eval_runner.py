@@ -345,7 +345,7 @@ def test_scoring_without_decoding_skips_unfinished_methods(tmp_path):
     data = get_task("ifeval").load(ifeval_file(tmp_path / "p.jsonl", n=3))
     settings = EvalSettings(model="tiny", max_new_tokens=5, batch_size=2, path="reference", score=False)
     _run(model, tok, tmp_path / "out", data, settings, ["full"])
-    sift_file = tmp_path / "out" / "ifeval" / "sift_tau_0.75_warmup_4_renormalize_False_warmup_source_decode.jsonl"
+    sift_file = tmp_path / "out" / "ifeval" / "sift_tau_0.75_warmup_4_renormalize_False_warmup_source_prompt.jsonl"
     full_rows = (tmp_path / "out" / "ifeval" / "full.jsonl").read_text().splitlines()
     sift_file.write_text(full_rows[0] + "\n")  # one of three samples finished
     summaries = _run(None, tok, tmp_path / "out", data, EvalSettings(model="tiny", max_new_tokens=5, batch_size=2, decode=False))

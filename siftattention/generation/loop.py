@@ -258,6 +258,7 @@ class _Loop:
         if clock is not None:
             clock.mark(phase)
         self._run(phase)
+        self.handle.after_decode_step(step, phase)
         if method.decode_phase(step + 1) != phase:
             # Work that follows a whole phase (Sift's fit after its warmup) runs once, eagerly, timed apart.
             if clock is not None:

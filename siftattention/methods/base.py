@@ -52,6 +52,50 @@ class Rows:
 
 
 @dataclass
+class PromptChunk:
+    """One layer's queries and keys of a prompt chunk, for a method that samples prompt rows itself.
+
+    query: [B, Hq, Q, D] the chunk's queries; key: [B, Hkv, K, D] every key so far (the cache).
+    valid: [B, 1, Q, K] bool, the causally valid keys of each query row.
+    prompt_steps: [B] int64, each sequence's whole prompt length in real tokens (its last prompt
+             row's step), known before the prompt's last chunk is.
+    The attention of the chunk itself is computed exactly elsewhere (SDPA); ``probs`` scores only
+    the rows a method asks for.
+    """
+
+    query: torch.Tensor
+    key: torch.Tensor
+    valid: torch.Tensor
+    prompt_steps: torch.Tensor
+    scaling: float
+    bias: torch.Tensor | None = None
+    softcap: float | None = None
+
+    @property
+    def steps(self) -> torch.Tensor:
+        """[B, Q] the step S of each query row (its number of valid keys)."""
+        return self.valid[:, 0].sum(-1)
+
+    def probs(self, batch: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Float32 softmax [Hq, n, K] of rows ``rows`` ([n] int64) of sequence ``batch`` over their valid keys,
+        and the validity [1, n, K]: ``attention.method_attention``'s arithmetic for those rows."""
+        q = self.query[batch, :, rows]  # [Hq, n, D]
+        k = self.key[batch]
+        groups = q.shape[0] // k.shape[0]
+        n = rows.numel()
+        # GQA: the query heads of one KV head side by side, so K is read once per KV head.
+        q = q.reshape(k.shape[0], groups * n, q.shape[-1])
+        scores = torch.matmul(q, k.transpose(1, 2)).float().reshape(-1, n, k.shape[1]) * self.scaling
+        if self.softcap is not None:
+            scores = torch.tanh(scores / self.softcap) * self.softcap
+        if self.bias is not None:
+            scores = scores + self.bias[batch, :, rows]
+        valid = self.valid[batch, :, rows]
+        scores = scores.masked_fill(~valid, float("-inf"))
+        return torch.softmax(scores, dim=-1).nan_to_num(0.0), valid
+
+
+@dataclass
 class KeyRange:
     """The valid keys of each sequence at one decode step: cache positions ``[starts, seq_lens)``.
 
@@ -252,6 +296,11 @@ class Method:
             return None
         raise NotImplementedError(f"{self.name} does not say how to reorder its per-sequence state, so it cannot follow beam search")
 
+    def after_decode_step(self, step: int, phase: str, states: list[Any]) -> None:
+        """Called on the host after decode step ``step`` (of ``phase``) has run in every layer, with those
+        layers' states: a method may end a phase early here (Sift's adaptive warmup), so the loops ask
+        ``decode_phase(step + 1)`` only after it."""
+
     def end_decode_phase(self, phase: str, states: list[Any]) -> None:
         """Called once the last step of decode phase ``phase`` has run in every layer, with those layers' states.
 
@@ -268,6 +317,13 @@ class Method:
 
     def observe_prefill(self, rows: Rows, state: Any) -> None:
         """Called, in decode mode, with the prompt rows that are computed exactly."""
+
+    def observes_prompt(self) -> bool:
+        """Whether ``observe_prompt`` wants each prompt chunk's queries and keys."""
+        return False
+
+    def observe_prompt(self, chunk: PromptChunk, state: Any) -> None:
+        """Called, in decode mode, with each prompt chunk's queries and keys (its attention runs exactly)."""
 
     def finish_prefill(self, state: Any) -> None:
         """Called after a prompt was prefilled in decode mode."""

@@ -11,6 +11,13 @@ anchor keys (its first ``anchor_first`` and newest ``anchor_last`` valid keys) p
 previous step's gap between the exact log-sum-exp and the anchor sum. In probabilities: with
 ``g_t = -log(sum of p_t over the anchors)``, a key is kept when
 ``p > eta * exp(g_{t-1} - g_t)``. The kept keys still get the exact normaliser.
+
+Calibration (beyond the paper; docs/design.md, "Calibration"): by default a decode fits each
+(sequence, layer, head) on the prompt's own exact rows, ``PromptCalibration.rows`` rows spaced
+geometrically in step over the whole prompt, so decoding is sparse from its first token;
+``warmup_source="decode"`` is the paper's decode warmup (optionally adaptive, ``AdaptiveWarmup``).
+Every ``recalibrate_every`` sparse steps one step also measures its exact quantile and adds it to
+the fit's least-squares sums, every earlier point weighted down by ``recalibrate_decay``.
 """
 
 from __future__ import annotations
@@ -22,13 +29,15 @@ import torch
 
 from ..kernels.plan import PowerLawThreshold
 from ..kernels.torch_ref import anchor_mask
-from ..powerlaw import fit_power_law, masked_quantile, predict_log
-from .base import (DecodeOutput, KeyRange, Method, Rows, Selection, check_bool, check_fraction, check_int, keep_row_max,
-                   select_sequences)
+from ..powerlaw import PowerLawFit, PowerLawSums, fit_power_law, masked_quantile, predict_log
+from .base import (DecodeOutput, KeyRange, Method, PromptChunk, Rows, Selection, check_bool, check_fraction, check_int,
+                   check_real, keep_row_max, select_sequences)
 
 
 #: The longest warmup: its buffers are allocated whole ([batch, heads, warmup] per layer).
 MAX_WARMUP = 65536
+#: Soft bound on the float32 scores of one batch of sampled prompt rows ([H, rows, K]).
+PROMPT_CHUNK_ELEMENTS = 1 << 24
 
 
 @dataclass
@@ -43,11 +52,90 @@ class SiftState:
     r2: torch.Tensor  # [B, H] in-sample R^2 of the warmup fit
     log_alpha: torch.Tensor  # [B, H] log alpha of fitted rows, -inf elsewhere (so the decode threshold is 0)
     gap: torch.Tensor  # [B, H] logsumexp - anchor logsumexp of the last step row (anchored normaliser); NaN before
+    fit_sums: torch.Tensor  # [B, H, 6] float64 least-squares sums of the current fit (PowerLawSums), updated by recalibration
+    prompt_thetas: torch.Tensor  # [B, H, n] quantiles of the sampled prompt rows
+    prompt_targets: torch.Tensor  # [B, n] int64 the sampled steps (-1: a repeated step, not a point)
+    prompt_recorded: torch.Tensor  # [B, n] bool, sampled rows measured so far
+    calibrated: torch.Tensor  # [B] bool, the batch's prompts are long enough to calibrate on
+    sparse_steps: torch.Tensor  # [B] int64 approximated steps so far (``select``'s recalibration count)
+    warmup_fit: torch.Tensor  # [B, H, 2] float64 the decode warmup's fit so far, log alpha and beta (adaptive warmup)
+    warmup_settled: torch.Tensor  # [B] bool, its predicted next quantile moved by at most the tolerance at the last step
+
+    @property
+    def sums(self) -> PowerLawSums:
+        """``fit_sums`` as ``PowerLawSums`` of views: updating them updates the state."""
+        return PowerLawSums(*self.fit_sums.unbind(-1))
 
     @property
     def alpha(self) -> torch.Tensor:
         """[B, H] exp(log_alpha) of fitted rows (inf or 0 where it leaves float32's range), 1 elsewhere."""
         return torch.where(self.fitted[:, None], self.log_alpha.exp(), torch.ones_like(self.log_alpha))
+
+
+@dataclass(frozen=True)
+class PromptCalibration:
+    """Which prompt rows calibrate the power law: ``rows`` steps spaced geometrically from ``first``
+    to the prompt's last row, so the fit spans ``log(P / first)`` of ``log S``.
+
+    A batch with a prompt shorter than ``min_prompt`` real tokens (the fit would span less than
+    ``log 4``) is not calibrated on its prompt: it runs the decode warmup instead.
+    """
+
+    rows: int = 64
+    first: int = 16
+    min_prompt: int = 64
+
+    def targets(self, prompt_steps: torch.Tensor) -> torch.Tensor:
+        """[B, rows] int64 steps to sample for prompts of ``prompt_steps`` [B] tokens; a step already
+        listed is -1 (short prompts have fewer distinct rows than ``rows``)."""
+        last = prompt_steps.clamp(min=self.first).double()[:, None]
+        spacing = torch.linspace(0.0, 1.0, self.rows, dtype=torch.float64, device=prompt_steps.device)
+        steps = torch.round(self.first * (last / self.first) ** spacing).long()
+        repeated = torch.zeros_like(steps, dtype=torch.bool)
+        repeated[:, 1:] = steps[:, 1:] == steps[:, :-1]
+        return steps.masked_fill(repeated, -1)
+
+    def usable(self, prompt_steps: torch.Tensor) -> torch.Tensor:
+        """[B] bool: every prompt of the batch is long enough (decode steps run in lockstep, so a batch
+        is calibrated on its prompts, or warms up, as a whole)."""
+        return (prompt_steps >= self.min_prompt).all().expand_as(prompt_steps)
+
+
+@dataclass(frozen=True)
+class AdaptiveWarmup:
+    """A decode warmup that ends once the fit's predicted next quantile stops moving: after step t
+    (``min_steps <= t <= max_steps``) when, for every head, the fits on points 1..t and 1..t-1
+    predict log theta at the next step to within ``tolerance`` of each other."""
+
+    min_steps: int
+    max_steps: int
+    tolerance: float
+
+    @staticmethod
+    def fit(steps: torch.Tensor, thetas: torch.Tensor, count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The fit on the first ``count`` points and the log of the step after them: ``steps`` [..., w],
+        ``thetas`` [..., H, w], ``count`` [...] -> log alpha and beta [..., H], log S_next [..., 1]."""
+        points = torch.arange(thetas.shape[-1], device=thetas.device) < count[..., None]  # [..., w]
+        fit = fit_power_law(steps[..., None, :], thetas, points[..., None, :])
+        last = (steps * points).amax(-1).double()
+        return fit.log_alpha, fit.beta, (last + 1).log()[..., None]
+
+    def settled(self, previous: torch.Tensor, current: torch.Tensor, log_next: torch.Tensor) -> torch.Tensor:
+        """[...] bool: the previous and current fits (log alpha and beta stacked on the last dimension,
+        [..., H, 2]) predict log theta at the next step within the tolerance, for every head."""
+        moved = (current[..., 0] - previous[..., 0]) - (current[..., 1] - previous[..., 1]) * log_next
+        return (moved.abs() <= self.tolerance).all(-1)
+
+    def stop_step(self, steps: torch.Tensor, thetas: torch.Tensor) -> int:
+        """The warmup length for one whole series (``steps`` [w], ``thetas`` [H, w], w >= max_steps)."""
+        previous = None
+        for t in range(1, self.max_steps + 1):
+            log_alpha, beta, log_next = self.fit(steps, thetas, torch.tensor(t))
+            current = torch.stack([log_alpha, beta], -1)
+            if previous is not None and t >= self.min_steps and bool(self.settled(previous, current, log_next)):
+                return t
+            previous = current
+        return self.max_steps
 
 
 @dataclass
@@ -57,13 +145,20 @@ class Sift(Method):
     tau: float = 0.875
     warmup: int = 128
     renormalize: bool = False
-    warmup_source: Literal["decode", "prefill"] = "decode"
+    warmup_source: Literal["prompt", "decode", "prefill"] = "prompt"
     normalizer: Literal["exact", "anchored"] = "exact"
     anchor_first: int = 64
     anchor_last: int = 256
+    recalibrate_every: int = 16
+    recalibrate_decay: float = 0.9
+    warmup_tolerance: float = 0.0
+    warmup_min: int = 16
     name = "sift"
     #: shown in ``spec()`` only where they differ from their defaults
-    spec_optional: ClassVar[tuple[str, ...]] = ("normalizer", "anchor_first", "anchor_last")
+    spec_optional: ClassVar[tuple[str, ...]] = ("normalizer", "anchor_first", "anchor_last", "recalibrate_every",
+                                                "recalibrate_decay", "warmup_tolerance", "warmup_min")
+    #: the prompt rows a decode calibrates on (``warmup_source="prompt"``)
+    calibration: ClassVar[PromptCalibration] = PromptCalibration()
 
     def __post_init__(self) -> None:
         self.tau = check_fraction("tau", self.tau)
@@ -72,14 +167,24 @@ class Sift(Method):
             # Each layer's state holds a quantile per sequence, head and warmup step from the first forward on.
             raise ValueError(f"warmup must be at most {MAX_WARMUP} steps, got {self.warmup!r}")
         self.renormalize = check_bool("renormalize", self.renormalize)
-        if self.warmup_source not in ("decode", "prefill"):
-            raise ValueError(f"warmup_source must be 'decode' or 'prefill', got {self.warmup_source!r}")
+        if self.warmup_source not in ("prompt", "decode", "prefill"):
+            raise ValueError(f"warmup_source must be 'prompt', 'decode' or 'prefill', got {self.warmup_source!r}")
+        self.recalibrate_every = check_int("recalibrate_every", self.recalibrate_every, 0)
+        self.recalibrate_decay = check_fraction("recalibrate_decay", self.recalibrate_decay, high_open=False)
+        self.warmup_tolerance = check_real("warmup_tolerance", self.warmup_tolerance)
+        if self.warmup_tolerance < 0:
+            raise ValueError(f"warmup_tolerance must be >= 0, got {self.warmup_tolerance!r}")
+        self.warmup_min = check_int("warmup_min", self.warmup_min, 2)
         if self.normalizer not in ("exact", "anchored"):
             raise ValueError(f"normalizer must be 'exact' or 'anchored', got {self.normalizer!r}")
         self.anchor_first = check_int("anchor_first", self.anchor_first, 0)
         self.anchor_last = check_int("anchor_last", self.anchor_last, 0)
         if self.anchor_first + self.anchor_last == 0:
             raise ValueError("anchor_first + anchor_last must be at least 1")
+        # Host-side, set by each prompt: the decode step where the decode warmup ends (0: no decode warmup),
+        # and whether the batch was calibrated on its prompts (only such fits recalibrate).
+        self._warmup_end = 0 if self.warmup_source == "prefill" else self.warmup
+        self._recalibrating = False
 
     def reorder_state(self, state: SiftState, index: torch.Tensor) -> SiftState:
         return select_sequences(state, index)  # every field has one row per sequence
@@ -90,15 +195,25 @@ class Sift(Method):
 
     def new_state(self, batch: int, heads: int, device: torch.device, layer: int = 0) -> SiftState:
         f32 = dict(dtype=torch.float32, device=device)
+        flag = dict(dtype=torch.bool, device=device)
+        rows = self.calibration.rows
         return SiftState(
             thetas=torch.zeros(batch, heads, self.warmup, **f32),
             theta_steps=torch.ones(batch, self.warmup, **f32),
             count=torch.zeros(batch, dtype=torch.long, device=device),
-            fitted=torch.zeros(batch, dtype=torch.bool, device=device),
+            fitted=torch.zeros(batch, **flag),
             beta=torch.zeros(batch, heads, **f32),
             r2=torch.zeros(batch, heads, **f32),
             log_alpha=torch.full((batch, heads), float("-inf"), **f32),
             gap=torch.full((batch, heads), float("nan"), **f32),
+            fit_sums=torch.zeros(batch, heads, 6, dtype=torch.float64, device=device),
+            prompt_thetas=torch.zeros(batch, heads, rows, **f32),
+            prompt_targets=torch.full((batch, rows), -1, dtype=torch.long, device=device),
+            prompt_recorded=torch.zeros(batch, rows, **flag),
+            calibrated=torch.zeros(batch, **flag),
+            sparse_steps=torch.zeros(batch, dtype=torch.long, device=device),
+            warmup_fit=torch.full((batch, heads, 2), float("nan"), dtype=torch.float64, device=device),
+            warmup_settled=torch.zeros(batch, **flag),
         )
 
     def _record(self, rows: Rows, state: SiftState, record: torch.Tensor, slot: torch.Tensor) -> None:
@@ -114,18 +229,41 @@ class Sift(Method):
         state.theta_steps[b_idx, pos] = rows.steps[b_idx, r_idx].float()
 
     def _fit(self, state: SiftState, which: torch.Tensor) -> None:
-        """Fit the sequences in ``which`` ([B] bool) on their recorded points.
+        """Fit the sequences in ``which`` ([B] bool) on their recorded warmup points.
 
         Every row is fitted and the result kept where ``which`` holds: no host
         synchronisation, so the fit can run inside a captured decode step.
         """
         points = torch.arange(self.warmup, device=state.count.device)[None, :] < state.count[:, None]
         fit = fit_power_law(state.theta_steps[:, None, :], state.thetas, points[:, None, :])
+        sums = PowerLawSums.of_points(state.theta_steps[:, None, :], state.thetas, points[:, None, :])
+        self._take_fit(state, fit, sums, which)
+
+    def _take_fit(self, state: SiftState, fit: PowerLawFit, sums: PowerLawSums, which: torch.Tensor) -> None:
+        """Make ``fit`` the sequences' fit where ``which`` ([B] bool) holds. Its points weigh as much together
+        as recalibration remembers, ``1 / (1 - recalibrate_decay)`` points, so the first measurements of a
+        decode already move the fit (64 prompt points at full weight would outvote them for ~10 updates)."""
+        if self.recalibrate_decay < 1:
+            sums = sums.scaled_to(1.0 / (1.0 - self.recalibrate_decay))
+        state.sums.copy_(sums, which[:, None])
+        self._set_fit(state, fit, which)
+
+    @staticmethod
+    def _set_fit(state: SiftState, fit: PowerLawFit, which: torch.Tensor) -> None:
         pick = which[:, None]
         state.log_alpha.copy_(torch.where(pick, fit.log_alpha.float(), state.log_alpha))
         state.beta.copy_(torch.where(pick, fit.beta.float(), state.beta))
         state.r2.copy_(torch.where(pick, fit.r2.float(), state.r2))
         state.fitted |= which
+
+    def _recalibrate(self, state: SiftState, steps: torch.Tensor, theta: torch.Tensor, where: torch.Tensor) -> None:
+        """Add the exact quantiles ``theta`` [B, H] measured at ``steps`` [B] to the fits of the fitted
+        sequences in ``where`` ([B] bool), earlier points weighted down by ``recalibrate_decay``, and refit.
+        Pure tensor work: it runs inside a captured decode step."""
+        which = where & state.fitted
+        sums = state.sums
+        sums.add(steps.double()[:, None], theta, which[:, None], decay=self.recalibrate_decay)
+        self._set_fit(state, sums.fit(), which)
 
     def select(self, rows: Rows, state: SiftState) -> Selection:
         factor = self._anchored_factor(rows, state) if self.anchored else None
@@ -139,12 +277,33 @@ class Sift(Method):
         approx = rows.is_step & ~warm & state.fitted[:, None]
         if not bool(approx.any()):
             return Selection(keep=None, approx=approx)
-        eta = predict_log(state.log_alpha[:, :, None], state.beta[:, :, None], rows.steps[:, None, :].float())  # [B, H, R]
+        log_alpha, beta = self._row_fits(rows, state, approx)
+        eta = predict_log(log_alpha, beta, rows.steps[:, None, :].float())  # [B, H, R]
         if factor is not None:
             eta = eta * factor
         keep = keep_row_max(rows.probs, rows.probs > eta.unsqueeze(-1), rows.valid)
         keep = torch.where(approx[:, None, :, None], keep, rows.valid)
         return Selection(keep=keep, approx=approx)
+
+    def _row_fits(self, rows: Rows, state: SiftState, approx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """log alpha and beta [B, H, R] that each row filters with: the fit as it stands, recalibrated
+        after every ``recalibrate_every``-th approximated row of a sequence (that row filters with the
+        fit before its own point, as a decode step does)."""
+        B, H, R = rows.probs.shape[:3]
+        log_alpha = state.log_alpha[:, :, None].expand(B, H, R).clone()
+        beta = state.beta[:, :, None].expand(B, H, R).clone()
+        if self.recalibrate_every:
+            index = state.sparse_steps[:, None] + torch.cumsum(approx.long(), dim=1)  # 1-based among approximated rows
+            # Fits made on a prompt only: the paper's warmup (and a teacher-forced pass) keeps its one fit.
+            measure = approx & state.calibrated[:, None] & (index % self.recalibrate_every == 0)
+            for r in measure.any(dim=0).nonzero()[:, 0].tolist():
+                probs = rows.probs[:, :, r]
+                theta = masked_quantile(probs, rows.valid[:, :, r].expand_as(probs), self.tau)
+                self._recalibrate(state, rows.steps[:, r], theta, measure[:, r])
+                log_alpha[:, :, r + 1:] = state.log_alpha[:, :, None]
+                beta[:, :, r + 1:] = state.beta[:, :, None]
+        state.sparse_steps += approx.sum(dim=1)
+        return log_alpha, beta
 
     def _anchored_factor(self, rows: Rows, state: SiftState) -> torch.Tensor:
         """exp(g_{t-1} - g_t) per row [B, H, R] (0 where no earlier step row has a gap: keep every key),
@@ -164,22 +323,28 @@ class Sift(Method):
         return -torch.log((rows.probs * anchor).sum(-1))
 
     def decode_phase(self, step: int) -> str:
-        """'warmup' for the first ``warmup`` decoded tokens, then 'sparse'."""
-        if self.warmup_source == "decode" and step < self.warmup:
+        """'warmup' for the decode warmup's steps (none after a calibrating prompt), then 'sparse'; after a
+        calibrating prompt every ``recalibrate_every``-th sparse step is a 'recalibrate' step."""
+        if step < self._warmup_end:
             return "warmup"
+        if self._recalibrating and self.recalibrate_every and (step - self._warmup_end + 1) % self.recalibrate_every == 0:
+            return "recalibrate"
         return "sparse"
 
     def phases_to_compile(self, step: int) -> tuple[str, ...]:
-        return ("warmup", "sparse") if self.decode_phase(step) == "warmup" else ("sparse",)
+        later = ("sparse", "recalibrate") if self._recalibrating and self.recalibrate_every else ("sparse",)
+        return ("warmup", *later) if self.decode_phase(step) == "warmup" else later
 
     def decode_step(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, keys: KeyRange, state: SiftState, phase: str, kernels: Any) -> DecodeOutput:
         if phase == "warmup":
             out, theta = kernels.warmup(query, k_cache, v_cache, self.tau, keys.seq_lens, keys.starts)
             # Decode steps run in lockstep over the batch, so one slot index serves every row.
-            slot = state.count[:1]
+            slot = state.count[:1].clamp(max=self.warmup - 1)
             state.thetas.index_copy_(2, slot, theta[:, :, None].float())
             state.theta_steps.index_copy_(1, slot, keys.steps().float()[:, None])
             state.count += 1
+            if self.warmup_tolerance:
+                self._watch_warmup(state)
             if self.anchored:
                 state.gap.copy_(kernels.warmup_gap(query, k_cache, keys.seq_lens, keys.starts, *self.anchors))
             return DecodeOutput(out, None, False)
@@ -188,7 +353,31 @@ class Sift(Method):
                                                 keys.seq_lens, keys.starts, *self.anchors)
         else:
             out, kept = kernels.sparse(query, k_cache, v_cache, self.power_law(state, keys), keys.seq_lens, keys.starts)
+        if phase == "recalibrate":
+            # The step filters with the fit so far, then its exact quantile joins the fit.
+            _, theta = kernels.warmup(query, k_cache, v_cache, self.tau, keys.seq_lens, keys.starts)
+            self._recalibrate(state, keys.steps(), theta, state.calibrated)
         return DecodeOutput(out, kept, state.fitted)
+
+    def _watch_warmup(self, state: SiftState) -> None:
+        """Adaptive warmup: whether the predicted next quantile moved by at most the tolerance (device-side)."""
+        rule = self.adaptive_warmup
+        log_alpha, beta, log_next = rule.fit(state.theta_steps, state.thetas, state.count)
+        current = torch.stack([log_alpha, beta], -1)
+        state.warmup_settled.copy_(rule.settled(state.warmup_fit, current, log_next))
+        state.warmup_fit.copy_(current)
+
+    @property
+    def adaptive_warmup(self) -> AdaptiveWarmup:
+        return AdaptiveWarmup(min(self.warmup_min, self.warmup), self.warmup, self.warmup_tolerance)
+
+    def after_decode_step(self, step: int, phase: str, states: list[SiftState]) -> None:
+        """Adaptive warmup: end the decode warmup after this step once every layer's, sequence's and
+        head's prediction has settled (one host synchronisation per warmup step from ``warmup_min`` on)."""
+        if phase != "warmup" or not self.warmup_tolerance or step + 1 < self.adaptive_warmup.min_steps:
+            return
+        if all(bool(state.warmup_settled.all()) for state in states):
+            self._warmup_end = step + 1
 
     @property
     def anchors(self) -> tuple[int, int]:
@@ -204,9 +393,9 @@ class Sift(Method):
         for group in groups.values():
             # The layers' rows side by side: one fit of [layers * B] rows.
             joined = SiftState(*(torch.cat([getattr(s, f.name) for s in group]) for f in fields(SiftState)))
-            self._fit(joined, joined.count >= self.warmup)
+            self._fit(joined, (joined.count >= 2) & ~joined.fitted)  # the adaptive warmup may end early
             batch = group[0].count.shape[0]
-            for name in ("fitted", "beta", "r2", "log_alpha"):
+            for name in ("fitted", "beta", "r2", "log_alpha", "fit_sums"):
                 torch._foreach_copy_([getattr(s, name) for s in group], list(getattr(joined, name).split(batch)))
 
     @staticmethod
@@ -240,6 +429,44 @@ class Sift(Method):
             gap = torch.where(last[:, None, :], self._gaps(rows), 0.0).sum(-1)
             state.gap.copy_(torch.where(last.any(dim=1)[:, None], gap, state.gap))
 
+    def observes_prompt(self) -> bool:
+        return self.warmup_source == "prompt"
+
+    def observe_prompt(self, chunk: PromptChunk, state: SiftState) -> None:
+        """warmup_source='prompt': measure the quantiles of the chunk's sampled rows (``calibration``)."""
+        calibration = self.calibration
+        state.calibrated.copy_(calibration.usable(chunk.prompt_steps))
+        self._recalibrating = bool(state.calibrated.all())
+        self._warmup_end = 0 if self._recalibrating else self.warmup
+        state.prompt_targets.copy_(calibration.targets(chunk.prompt_steps))
+        # [B, Q, n]: which sampled step each row is (a step is sampled at most once per sequence)
+        hits = chunk.steps[:, :, None] == state.prompt_targets[:, None, :]
+        b_idx, r_idx, slot = hits.nonzero(as_tuple=True)
+        # Rows at a time so the float32 scores of a long prompt stay within PROMPT_CHUNK_ELEMENTS.
+        heads, keys = chunk.query.shape[1], chunk.key.shape[2]
+        per_call = max(1, PROMPT_CHUNK_ELEMENTS // max(1, heads * keys))
+        for b in b_idx.unique().tolist():
+            mine = b_idx == b
+            rows, slots = r_idx[mine], slot[mine]
+            for a in range(0, rows.numel(), per_call):
+                probs, valid = chunk.probs(b, rows[a:a + per_call])
+                theta = masked_quantile(probs, valid.expand_as(probs), self.tau)  # [H, n]
+                state.prompt_thetas[b, :, slots[a:a + per_call]] = theta
+                state.prompt_recorded[b, slots[a:a + per_call]] = True
+        if self.anchored:  # the first decoded token filters with the last prompt row's gap, as after a warmup
+            for b, r in (chunk.steps == chunk.prompt_steps[:, None]).nonzero().tolist():
+                probs, valid = chunk.probs(b, torch.tensor([r], device=chunk.query.device))
+                anchors = anchor_mask(valid, self.anchor_first, self.anchor_last)
+                state.gap[b] = -torch.log((probs * anchors).sum(-1))[:, 0]
+
     def finish_prefill(self, state: SiftState) -> None:
+        if self.warmup_source == "decode":
+            self._warmup_end = self.warmup
         if self.warmup_source == "prefill":
             self._fit(state, (state.count >= 2) & ~state.fitted)
+        if self.warmup_source == "prompt":
+            # Refit on every point measured so far: the prompt's last chunk completes the fit.
+            points = state.prompt_recorded[:, None, :]
+            steps = state.prompt_targets.clamp(min=1)[:, None, :]
+            sums = PowerLawSums.of_points(steps, state.prompt_thetas, points)
+            self._take_fit(state, sums.fit(), sums, state.calibrated)

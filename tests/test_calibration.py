@@ -1,0 +1,241 @@
+"""Sift's calibration: the O(1) least-squares sums, prompt calibration, recalibration and the adaptive warmup."""
+
+import math
+
+import pytest
+import torch
+
+from conftest import tiny_llama
+from siftattention import Sift, apply
+from siftattention.generation import generate
+from siftattention.methods.base import PromptChunk
+from siftattention.methods.sift import AdaptiveWarmup, PromptCalibration
+from siftattention.powerlaw import PowerLawSums, fit_power_law, masked_quantile
+
+
+def _weighted_lstsq(x: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> tuple[float, float]:
+    """(log alpha, beta) of the weighted least squares y = log alpha - beta x, by torch.linalg.lstsq."""
+    root = w.sqrt()[:, None]
+    design = torch.stack([torch.ones_like(x), -x], dim=1) * root
+    solution = torch.linalg.lstsq(design, y[:, None] * root).solution[:, 0]
+    return float(solution[0]), float(solution[1])
+
+
+@pytest.mark.parametrize("decay", [1.0, 0.9, 0.5])
+def test_the_o1_refit_equals_a_batch_weighted_least_squares(decay):
+    g = torch.Generator().manual_seed(0)
+    steps = torch.cat([torch.tensor([16.0, 40.0, 100.0, 400.0, 1000.0]), 1000.0 + torch.arange(1, 41, dtype=torch.float64) * 16])
+    thetas = 0.3 * steps ** -0.8 * torch.exp(0.2 * torch.randn(steps.shape, generator=g, dtype=torch.float64))
+    sums = PowerLawSums.of_points(steps[:5], thetas[:5])
+    for step, theta in zip(steps[5:], thetas[5:]):
+        sums.add(step, theta, decay=decay)
+    # Point i was added n - 1 - i updates before the end (the first five together, before every update).
+    n = len(steps)
+    weights = torch.tensor([decay ** (n - 5)] * 5 + [decay ** (n - 1 - i) for i in range(5, n)], dtype=torch.float64)
+    log_alpha, beta = _weighted_lstsq(steps.log(), thetas.log(), weights)
+    fit = sums.fit()
+    assert float(fit.log_alpha) == pytest.approx(log_alpha, abs=1e-6)
+    assert float(fit.beta) == pytest.approx(beta, abs=1e-6)
+    if decay == 1.0:  # unweighted: the batch fit Sift's warmup makes, R^2 included
+        batch = fit_power_law(steps, thetas)
+        assert float(fit.r2) == pytest.approx(float(batch.r2), abs=1e-9)
+
+
+def test_sums_update_in_place_only_where_asked_and_scale_without_changing_the_fit():
+    sums = PowerLawSums.zeros((2,))
+    sums.add(torch.tensor([10.0, 10.0]), torch.tensor([0.1, 0.1]), where=torch.tensor([True, False]))
+    assert sums.weight.tolist() == [1.0, 0.0]
+    sums.add(torch.tensor([100.0, 100.0]), torch.tensor([0.01, 0.01]), where=torch.tensor([True, False]), decay=0.5)
+    fit, scaled = sums.fit(), sums.scaled_to(10.0).fit()
+    assert float(sums.weight[0]) == 1.5 and float(fit.beta[0]) == pytest.approx(1.0)
+    assert torch.allclose(fit.beta, scaled.beta) and torch.allclose(fit.log_alpha, scaled.log_alpha)
+    # No point: beta 0, log alpha 0 (alpha 1), like fit_power_law's degenerate fit; one step: the geometric mean.
+    assert float(fit.beta[1]) == 0.0 and float(fit.log_alpha[1]) == 0.0
+    one = PowerLawSums.of_points(torch.tensor([7.0, 7.0]), torch.tensor([0.1, 0.4])).fit()
+    assert float(one.beta) == 0.0 and float(one.log_alpha) == pytest.approx(math.log(0.2))
+
+
+def test_prompt_rows_are_spaced_geometrically_over_the_whole_prompt():
+    calibration = PromptCalibration()
+    targets = calibration.targets(torch.tensor([4096, 64, 20]))
+    first = targets[0]
+    assert int(first[0]) == 16 and int(first[-1]) == 4096 and (first[1:] > first[:-1]).all()
+    spacing = torch.linspace(0, 1, 64, dtype=torch.float64)
+    assert (first.double().log() - (16 * 256.0 ** spacing).log()).abs().max() < 0.04  # rounded to whole steps
+    short = targets[1][targets[1] > 0]
+    assert int(short[0]) == 16 and int(short[-1]) == 64 and len(short.unique()) == len(short) < 64  # repeats dropped
+    assert calibration.usable(torch.tensor([64, 100])).all() and not calibration.usable(torch.tensor([63, 100])).any()
+
+
+def test_prompt_calibration_recovers_a_noisy_power_law():
+    """alpha within 10% and beta within 0.03 from 64 rows of a power law with 10% log-normal noise."""
+    g = torch.Generator().manual_seed(1)
+    targets = PromptCalibration().targets(torch.tensor([8192]))[0].double()
+    alpha, beta = 0.4, 0.9
+    thetas = alpha * targets ** -beta * torch.exp(0.1 * torch.randn(targets.shape, generator=g, dtype=torch.float64))
+    fit = PowerLawSums.of_points(targets, thetas).fit()
+    assert float(fit.log_alpha.exp()) == pytest.approx(alpha, rel=0.1)
+    assert float(fit.beta) == pytest.approx(beta, abs=0.03)
+
+
+def test_sampled_prompt_rows_get_the_exact_quantile_of_their_causal_softmax():
+    """observe_prompt's thetas are masked_quantile of each sampled row's own softmax over its key prefix
+    (GQA, left padding: steps counted from each sequence's first real token)."""
+    g = torch.Generator().manual_seed(2)
+    B, Hq, Hkv, P, D = 2, 4, 2, 90, 8
+    q = torch.randn(B, Hq, P, D, generator=g)
+    k = torch.randn(B, Hkv, P, D, generator=g)
+    mask = torch.ones(B, P, dtype=torch.long)
+    mask[1, :20] = 0  # a 70-token prompt behind 20 pads
+    valid = (torch.ones(P, P, dtype=torch.bool).tril()[None] & mask.bool()[:, None, :])[:, None]
+    method = Sift(tau=0.8)
+    state = method.new_state(B, Hq, q.device)
+    method.observe_prompt(PromptChunk(q, k, valid, valid[:, 0, -1].sum(-1), 0.5), state)
+    method.finish_prefill(state)
+    probs = torch.softmax((q @ k.repeat_interleave(2, dim=1).transpose(2, 3) * 0.5).masked_fill(~valid, float("-inf")), -1)
+    for b, prompt in enumerate([90, 70]):
+        targets = state.prompt_targets[b]
+        assert int(targets.max()) == prompt and bool(state.prompt_recorded[b][targets > 0].all())
+        for slot in (targets > 0).nonzero()[:, 0].tolist():
+            row = P - prompt + int(targets[slot]) - 1  # the row whose step is the target
+            expected = masked_quantile(probs[b, :, row], valid[b, :, row].expand(Hq, P), 0.8)
+            torch.testing.assert_close(state.prompt_thetas[b, :, slot], expected)
+    assert bool(state.fitted.all()) and method.decode_phase(0) == "sparse"
+
+
+def _padded_prompts(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.randint(3, 96, (len(lengths), width), generator=g)
+    mask = torch.zeros_like(ids)
+    for b, n in enumerate(lengths):
+        mask[b, width - n:] = 1
+    return ids.masked_fill(mask == 0, 0), mask
+
+
+def _model():
+    model = tiny_llama()
+    with torch.no_grad():
+        model.get_input_embeddings().weight[0].normal_()
+    return model
+
+
+def test_the_reference_path_and_the_fast_loop_calibrate_alike_on_a_left_padded_prompt():
+    model = _model()
+    ids, mask = _padded_prompts([100, 80, 66])
+    method = Sift(tau=0.7, warmup=4)
+    with apply(model, method, decode_backend=None) as handle:
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0, eos_token_id=None)
+        reference = handle.stats
+    fast = generate(model, ids, mask, method, max_new_tokens=3, pad_token_id=0, eos_token_id=-1)
+    chunked = generate(model, ids, mask, method, max_new_tokens=3, pad_token_id=0, eos_token_id=-1, prefill_chunk=24)
+    assert fast.fast and "warmup" not in fast.timings["phases"]  # sparse from the first decoded token
+    for res in (fast, chunked):
+        torch.testing.assert_close(res.stats.alpha, reference.alpha, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(res.stats.beta, reference.beta, rtol=1e-5, atol=1e-6)
+    # Left padding changes nothing: sequence 1 alone, unpadded, gets the same fit.
+    alone = generate(model, ids[1:2, 20:], mask[1:2, 20:], method, max_new_tokens=2, pad_token_id=0, eos_token_id=-1)
+    torch.testing.assert_close(alone.stats.alpha[:, 0], reference.alpha[:, 1], rtol=1e-4, atol=1e-7)
+    torch.testing.assert_close(alone.stats.beta[:, 0], reference.beta[:, 1], rtol=1e-4, atol=1e-5)
+
+
+def test_a_too_short_prompt_falls_back_to_the_decode_warmup():
+    model = _model()
+    ids, mask = _padded_prompts([100, 63])  # one prompt under PromptCalibration.min_prompt: the whole batch warms up
+    method = Sift(tau=0.7, warmup=4)
+    res = generate(model, ids, mask, method, max_new_tokens=8, pad_token_id=0, eos_token_id=-1)
+    assert res.timings["phases"]["warmup"]["steps"] == 4 and method.decode_phase(0) == "warmup"
+    one = generate(model, ids[:1, -1:], None, method, max_new_tokens=8, pad_token_id=0, eos_token_id=-1)
+    assert one.timings["phases"]["warmup"]["steps"] == 4
+    long = generate(model, ids[:1], None, method, max_new_tokens=8, pad_token_id=0, eos_token_id=-1)
+    assert "warmup" not in long.timings["phases"] and method.decode_phase(0) == "sparse"
+
+
+@pytest.mark.parametrize("normalizer", ["exact", "anchored"])
+def test_recalibration_runs_alike_in_the_fast_loop_and_the_reference_path(normalizer):
+    """Every 4th sparse step measures its exact quantile: same tokens, fits and sparsity on the reference
+    path (``select``) and in the fast loop (anchored: the first decoded token filters with the last prompt row's gap)."""
+    model = _model()
+    ids, mask = _padded_prompts([90, 70])
+    method = Sift(tau=0.7, warmup=4, recalibrate_every=4, recalibrate_decay=0.8, normalizer=normalizer, anchor_first=2,
+                  anchor_last=8)
+    results = []
+    for backend in (None,):
+        with apply(model, method, decode_backend=backend) as handle:
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=14, do_sample=False, pad_token_id=0,
+                                 eos_token_id=None)
+            results.append((out, handle.stats.alpha, handle.stats.beta, handle.stats.realized_sparsity()))
+    fast = generate(model, ids, mask, method, max_new_tokens=14, pad_token_id=0, eos_token_id=-1)
+    results.append((fast.sequences, fast.stats.alpha, fast.stats.beta, fast.stats.realized_sparsity()))
+    assert fast.timings["phases"]["recalibrate"]["steps"] == 3  # sparse steps 4, 8, 12 of 13
+    for seq, alpha, beta, sparsity in results[1:]:
+        assert torch.equal(seq, results[0][0])
+        torch.testing.assert_close(alpha, results[0][1], rtol=1e-4, atol=1e-7)
+        torch.testing.assert_close(beta, results[0][2], rtol=1e-4, atol=1e-5)
+        assert sparsity == pytest.approx(results[0][3], abs=1e-9)
+    with apply(model, Sift(tau=0.7, warmup=4, recalibrate_every=0, normalizer=normalizer, anchor_first=2, anchor_last=8)) as handle:
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=14, do_sample=False, pad_token_id=0, eos_token_id=None)
+        assert not torch.allclose(handle.stats.beta, results[0][2])  # the measurements did move the fit
+
+
+def _planted_series(plant: int, length: int = 40, seed: int = 3):
+    """Steps 1..length whose first plant - 1 quantiles are noise and the rest lie exactly on the fit of
+    those: adding a point on the least-squares line leaves the fit unchanged, so it settles at ``plant``."""
+    g = torch.Generator().manual_seed(seed)
+    steps = torch.arange(1, length + 1, dtype=torch.float64)
+    thetas = (0.5 * steps ** -0.7 * torch.exp(torch.randn(length, generator=g, dtype=torch.float64)))[None]
+    fit = fit_power_law(steps[: plant - 1], thetas[:, : plant - 1])
+    thetas[:, plant - 1:] = fit.predict(steps[plant - 1:])
+    return steps, thetas
+
+
+@pytest.mark.parametrize("bounds,expected", [((4, 30), 12), ((15, 30), 15), ((4, 9), 9)], ids=["planted", "minimum", "maximum"])
+def test_the_adaptive_warmup_stops_where_the_prediction_settles_within_its_bounds(bounds, expected):
+    steps, thetas = _planted_series(plant=12)
+    rule = AdaptiveWarmup(*bounds, tolerance=1e-6)
+    assert rule.stop_step(steps, thetas) == expected
+
+
+def test_the_adaptive_warmup_ends_the_decode_warmup_alike_on_both_loops():
+    model = _model()
+    ids, mask = _padded_prompts([20, 13])
+    method = Sift(tau=0.7, warmup=12, warmup_source="decode", warmup_tolerance=50.0, warmup_min=5)
+    fast = generate(model, ids, mask, method, max_new_tokens=14, pad_token_id=0, eos_token_id=-1)
+    assert fast.timings["phases"]["warmup"]["steps"] == 5  # a tolerance nothing exceeds: the minimum
+    with apply(model, method) as handle:
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=14, do_sample=False, pad_token_id=0,
+                             eos_token_id=None)
+        assert torch.equal(out, fast.sequences)
+        torch.testing.assert_close(handle.stats.beta, fast.stats.beta, rtol=1e-5, atol=1e-6)
+        assert int(handle.states[0].count[0]) == 5
+    strict = Sift(tau=0.7, warmup=12, warmup_source="decode", warmup_tolerance=1e-12, warmup_min=5)
+    res = generate(model, ids, mask, strict, max_new_tokens=14, pad_token_id=0, eos_token_id=-1)
+    assert res.timings["phases"]["warmup"]["steps"] == 12  # never settles: the maximum
+
+
+def test_calibration_options_are_checked_and_spelled_only_when_changed():
+    assert Sift().warmup_source == "prompt" and "recalibrate" not in Sift().spec()
+    assert "recalibrate_every=0" in Sift(recalibrate_every=0).spec()
+    for kwargs, message in [({"warmup_source": "pre"}, "warmup_source must be 'prompt', 'decode' or 'prefill'"),
+                            ({"recalibrate_every": -1}, "recalibrate_every must be an integer >= 0"),
+                            ({"recalibrate_decay": 0.0}, "recalibrate_decay must be in (0, 1]"),
+                            ({"warmup_tolerance": -1.0}, "warmup_tolerance must be >= 0"),
+                            ({"warmup_min": 1}, "warmup_min must be an integer >= 2")]:
+        with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+            Sift(**kwargs)
+
+
+def test_perplexity_after_a_prompt_scores_decode_steps_only():
+    from siftattention.eval.perplexity import evaluate_perplexity
+
+    model = _model()
+    windows = torch.randint(3, 96, (1, 100), generator=torch.Generator().manual_seed(5))
+    methods = [("paper", Sift(tau=0.7, warmup=8, warmup_source="decode", recalibrate_every=0)), ("prompt", Sift(tau=0.7, warmup=8))]
+    results, warm = evaluate_perplexity(model, windows, methods, prompt_len=70)
+    paper, prompt = results
+    assert (paper.tokens, paper.tokens_post_warmup, warm) == (29, 21, 8)  # steps 71..99; post-warmup S > 78
+    # The paper's 8 dense decode steps count as 0 in its realized sparsity; the prompt fit is sparse throughout.
+    assert paper.realized_sparsity < paper.realized_sparsity_post_warmup
+    assert prompt.realized_sparsity == pytest.approx(prompt.realized_sparsity_post_warmup, abs=0.05) and prompt.realized_sparsity > 0.3
+    with pytest.raises(ValueError, match="a prompt of 98 tokens leaves no decode steps to score in a window of 100 tokens"):
+        evaluate_perplexity(model, windows, methods, prompt_len=98)
