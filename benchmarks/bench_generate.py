@@ -172,6 +172,14 @@ def hf_generate(model, ids, new: int) -> dict:
     return {"prefill_s": prefill, "decode_ms": (total - prefill) / (new - 1) * 1e3}
 
 
+# Sift's fit: row-name suffix and Sift arguments.
+CALIBRATIONS = {
+    "prompt": ("", {}),
+    "prompt-norecal": ("_norecal", {"recalibrate_every": 0}),
+    "decode": ("_decode", {"warmup_source": "decode"}),
+}
+
+
 def fast(model, ids, method, new: int, chunk: int, compile: bool = False, all_tokens: bool = False) -> dict:
     res = generate(model, ids, None, method, max_new_tokens=new, eos_token_id=-1, pad_token_id=0, prefill_chunk=chunk, compile=compile)
     t = res.timings
@@ -439,6 +447,10 @@ def main() -> None:
     ap.add_argument("--tau", type=float, default=0.875)
     ap.add_argument("--warmup", type=int, default=16)
     add_planting_args(ap)
+    ap.add_argument("--calibration", nargs="+", default=["prompt"], choices=list(CALIBRATIONS),
+                    help="Sift's fit(s), a row each: prompt (the default: calibrated on the prompt, recalibrated every 16 "
+                         "sparse steps; row 'sift'), prompt-norecal ('sift_norecal'), decode (the paper's decode warmup; "
+                         "'sift_decode')")
     ap.add_argument("--normalizer", nargs="+", default=["exact"], choices=["exact", "anchored"],
                     help="Sift's normaliser(s): a sift row per choice (anchored: row 'sift_anchored')")
     ap.add_argument("--prefill-chunk", type=int, default=8192)
@@ -483,10 +495,11 @@ def main() -> None:
         batch, prompt = (int(x) for x in setting.split("x"))
         row = {"batch": batch, "prompt": prompt, "floor_ms": floor_ms(model, batch, prompt + args.new // 2, report["copy_bw_tb_s"] * 1e12)}
         ids = torch.randint(3, 128000, (batch, prompt), device="cuda")
-        sifts = [("sift" if norm == "exact" else f"sift_{norm}",
-                  lambda norm=norm: fast(model, ids, Sift(tau=args.tau, warmup=args.warmup, normalizer=norm), args.new,
-                                         args.prefill_chunk, args.compile))
-                 for norm in args.normalizer]
+        sifts = [(("sift" if norm == "exact" else f"sift_{norm}") + CALIBRATIONS[cal][0],
+                  lambda norm=norm, cal=cal: fast(model, ids, Sift(tau=args.tau, warmup=args.warmup, normalizer=norm,
+                                                                   **CALIBRATIONS[cal][1]),
+                                                  args.new, args.prefill_chunk, args.compile))
+                 for norm in args.normalizer for cal in args.calibration]
         for name, fn in (
             ("dense", lambda: fast(model, ids, Full(), args.new, args.prefill_chunk, args.compile)),
             *sifts,
@@ -505,7 +518,7 @@ def main() -> None:
     print()
     print(f"copy bandwidth {report['copy_bw_tb_s']:.2f} TB/s, planted logit std {args.plant_std}, head correlation {args.head_corr}, "
           f"q_scale {args.q_scale}, tau {args.tau}, warmup {args.warmup}, {args.new} new tokens")
-    for name in ("sift", "sift_anchored"):
+    for name in (f"{base}{suffix}" for base in ("sift", "sift_anchored") for suffix, _ in CALIBRATIONS.values()):
         if not any(name in r for r in rows):
             continue
         print(f"\n{name}")

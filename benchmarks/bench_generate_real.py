@@ -42,7 +42,12 @@ from bench_generate import (attention_share, copy_bandwidth, fast, free, greedy_
 
 METHODS = {
     "dense": lambda a: Full(),
+    # Sift's defaults: calibrated on the prompt, recalibrated every 16 sparse steps.
     "sift": lambda a: Sift(tau=a.tau, warmup=a.warmup),
+    "sift_norecal": lambda a: Sift(tau=a.tau, warmup=a.warmup, recalibrate_every=0),
+    "sift_recal64": lambda a: Sift(tau=a.tau, warmup=a.warmup, recalibrate_every=64),
+    # The paper's form: a dense decode warmup of --warmup steps, then one fit.
+    "sift_decode": lambda a: Sift(tau=a.tau, warmup=a.warmup, warmup_source="decode"),
     "sift_anchored": lambda a: Sift(tau=a.tau, warmup=a.warmup, normalizer="anchored"),
     "sift_095": lambda a: Sift(tau=0.95, warmup=a.warmup),
     "topk": lambda a: TopK(k=1 - a.tau),

@@ -57,14 +57,16 @@ def test_sums_update_in_place_only_where_asked_and_scale_without_changing_the_fi
 
 def test_prompt_rows_are_spaced_geometrically_over_the_whole_prompt():
     calibration = PromptCalibration()
-    targets = calibration.targets(torch.tensor([4096, 64, 20]))
+    f, n, least = calibration.first, calibration.rows, calibration.min_prompt
+    targets = calibration.targets(torch.tensor([4096, least, 20]))
     first = targets[0]
-    assert int(first[0]) == 16 and int(first[-1]) == 4096 and (first[1:] > first[:-1]).all()
-    spacing = torch.linspace(0, 1, 64, dtype=torch.float64)
-    assert (first.double().log() - (16 * 256.0 ** spacing).log()).abs().max() < 0.04  # rounded to whole steps
+    assert int(first[0]) == f and int(first[-1]) == 4096 and (first[1:] > first[:-1]).all()
+    spacing = torch.linspace(0, 1, n, dtype=torch.float64)
+    assert (first.double().log() - (f * (4096.0 / f) ** spacing).log()).abs().max() < 0.04  # rounded to whole steps
     short = targets[1][targets[1] > 0]
-    assert int(short[0]) == 16 and int(short[-1]) == 64 and len(short.unique()) == len(short) < 64  # repeats dropped
-    assert calibration.usable(torch.tensor([64, 100])).all() and not calibration.usable(torch.tensor([63, 100])).any()
+    assert int(short[0]) == f and int(short[-1]) == least and len(short.unique()) == len(short) < n  # repeats dropped
+    assert least >= 4 * f  # the fit spans at least log 4 of log S
+    assert calibration.usable(torch.tensor([least, 100])).all() and not calibration.usable(torch.tensor([least - 1, 100])).any()
 
 
 def test_prompt_calibration_recovers_a_noisy_power_law():
@@ -141,7 +143,7 @@ def test_the_reference_path_and_the_fast_loop_calibrate_alike_on_a_left_padded_p
 
 def test_a_too_short_prompt_falls_back_to_the_decode_warmup():
     model = _model()
-    ids, mask = _padded_prompts([100, 63])  # one prompt under PromptCalibration.min_prompt: the whole batch warms up
+    ids, mask = _padded_prompts([100, PromptCalibration.min_prompt - 1])  # one prompt too short: the whole batch warms up
     method = Sift(tau=0.7, warmup=4)
     res = generate(model, ids, mask, method, max_new_tokens=8, pad_token_id=0, eos_token_id=-1)
     assert res.timings["phases"]["warmup"]["steps"] == 4 and method.decode_phase(0) == "warmup"

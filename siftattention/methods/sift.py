@@ -82,8 +82,10 @@ class PromptCalibration:
     """
 
     rows: int = 64
-    first: int = 16
-    min_prompt: int = 64
+    # From step 8, so that chat prompts of 32 tokens and more (every IFEval prompt under a chat
+    # template) calibrate: a batch falls back as a whole, so one short prompt would cost them all.
+    first: int = 8
+    min_prompt: int = 32
 
     def targets(self, prompt_steps: torch.Tensor) -> torch.Tensor:
         """[B, rows] int64 steps to sample for prompts of ``prompt_steps`` [B] tokens; a step already
