@@ -448,7 +448,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=16)
     add_planting_args(ap)
     ap.add_argument("--calibration", nargs="+", default=["prompt"], choices=list(CALIBRATIONS),
-                    help="Sift's fit(s), a row each: prompt (the default: calibrated on the prompt, recalibrated every 16 "
+                    help="Sift's fit(s), a row each: prompt (the default: calibrated on the prompt, recalibrated every 64 "
                          "sparse steps; row 'sift'), prompt-norecal ('sift_norecal'), decode (the paper's decode warmup; "
                          "'sift_decode')")
     ap.add_argument("--normalizer", nargs="+", default=["exact"], choices=["exact", "anchored"],

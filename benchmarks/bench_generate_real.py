@@ -42,7 +42,7 @@ from bench_generate import (attention_share, copy_bandwidth, fast, free, greedy_
 
 METHODS = {
     "dense": lambda a: Full(),
-    # Sift's defaults: calibrated on the prompt, recalibrated every 16 sparse steps.
+    # Sift's defaults: calibrated on the prompt, recalibrated every 64 sparse steps.
     "sift": lambda a: Sift(tau=a.tau, warmup=a.warmup),
     "sift_norecal": lambda a: Sift(tau=a.tau, warmup=a.warmup, recalibrate_every=0),
     "sift_recal64": lambda a: Sift(tau=a.tau, warmup=a.warmup, recalibrate_every=64),

@@ -21,7 +21,7 @@ SPEC_HELP = """Method spec grammar: NAME[:KEY=VALUE[,KEY=VALUE...]]
   topk:k=0.125[,renormalize=true]          keep the ceil(k*S) largest scores
   h2o:k=0.125[,heavy_ratio=0.5]            heavy-hitter + recent eviction, budget k
   sift:tau=0.875,warmup=128[,renormalize=false][,warmup_source=prompt|decode|prefill]
-       [,recalibrate_every=16][,recalibrate_decay=0.9][,warmup_tolerance=0][,warmup_min=16]
+       [,recalibrate_every=64][,recalibrate_decay=0.9][,warmup_tolerance=0][,warmup_min=16]
        [,normalizer=exact|anchored][,anchor_first=64][,anchor_last=256]
   oracle:tau=0.875[,renormalize=false]     exact per-step tau-quantile threshold
   toptheta:k=64[,renormalize=false][,vmc=true][,first_layers=2][,first_k=512][,sigma=0.1]

@@ -151,7 +151,7 @@ class Sift(Method):
     normalizer: Literal["exact", "anchored"] = "exact"
     anchor_first: int = 64
     anchor_last: int = 256
-    recalibrate_every: int = 16
+    recalibrate_every: int = 64
     recalibrate_decay: float = 0.9
     warmup_tolerance: float = 0.0
     warmup_min: int = 16
