@@ -259,7 +259,9 @@ def test_each_models_sweep_config_runs_every_method_within_its_context(name):
     names = {spec.split(":")[0] for spec in sweep.specs}
     assert names == {"full", "topk", "toptheta", "skipsoftmax", "oracle", "sift"}
     assert {"topk:k=0.125", "topk:k=0.05"} <= set(sweep.specs)
-    assert sum(s.startswith("sift:") and "warmup_source=prefill" in s for s in sweep.specs) == 2
+    # the paper's Sift (a decode warmup) and the default, calibrated on the prompt, at two taus each
+    assert sum(s.startswith("sift:") and "warmup_source=decode" in s for s in sweep.specs) == 2
+    assert {"sift:tau=0.875", "sift:tau=0.95"} <= set(sweep.specs)
     lengths = [get_task(t.name, **t.options).length for t in sweep.tasks]
     assert lengths == [n for n in (4096, 8192, 16384, 32768) if n <= EMBEDDED_CONTEXT[sweep.model]]
     assert sweep.chat == (sweep.model != "gemma3-270m")  # the embedded Gemma-3 is the base checkpoint
