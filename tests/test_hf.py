@@ -357,7 +357,7 @@ def test_new_plans_compile_their_phases_ahead_on_a_scratch_state(monkeypatch):
         monkeypatch.setattr(Sift, "decode_step", lambda self, *a: (phases.append(a[5]), real(self, *a))[1])
         compiling = []
         monkeypatch.setattr(DecodeKernels, "compiling", lambda self: compiling.append(self) or real_compiling(self))
-        with apply(model, Sift(tau=0.5, warmup=4), decode_backend="torch") as handle, torch.no_grad():
+        with apply(model, Sift(tau=0.5, warmup=4, warmup_source="decode"), decode_backend="torch") as handle, torch.no_grad():
             out = model.generate(ids, max_new_tokens=40, do_sample=False, min_new_tokens=40)
             stats = (handle.stats.realized_sparsity(per_sequence=True), handle.stats.beta, handle.stats.thetas)
             plans = list(handle._plans.values())
