@@ -37,17 +37,14 @@ from siftattention.generation import generate
 from siftattention.models import load_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_generate import (attention_share, copy_bandwidth, fast, free, greedy_agreement, hf_generate, profile_steps,  # noqa: E402
-                            weight_bytes)
+from bench_generate import (CALIBRATIONS, attention_share, copy_bandwidth, fast, free, greedy_agreement,  # noqa: E402
+                            hf_generate, profile_steps, weight_bytes)
 
 METHODS = {
     "dense": lambda a: Full(),
-    # Sift's defaults: calibrated on the prompt, recalibrated every 64 sparse steps.
-    "sift": lambda a: Sift(tau=a.tau, warmup=a.warmup),
-    "sift_norecal": lambda a: Sift(tau=a.tau, warmup=a.warmup, recalibrate_every=0),
-    "sift_recal64": lambda a: Sift(tau=a.tau, warmup=a.warmup, recalibrate_every=64),
-    # The paper's form: a dense decode warmup of --warmup steps, then one fit.
-    "sift_decode": lambda a: Sift(tau=a.tau, warmup=a.warmup, warmup_source="decode"),
+    # Sift's fits, as bench_generate.py's rows: sift (the defaults), sift_norecal, sift_decode (the paper's).
+    **{f"sift{suffix}": (lambda a, kw=kw: Sift(tau=a.tau, warmup=a.warmup, **kw)) for suffix, kw in CALIBRATIONS.values()},
+    "sift_recal64": lambda a: Sift(tau=a.tau, warmup=a.warmup, recalibrate_every=64),  # the default, named as run
     "sift_anchored": lambda a: Sift(tau=a.tau, warmup=a.warmup, normalizer="anchored"),
     "sift_095": lambda a: Sift(tau=0.95, warmup=a.warmup),
     "topk": lambda a: TopK(k=1 - a.tau),
