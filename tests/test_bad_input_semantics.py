@@ -149,7 +149,7 @@ EMPTY_CASE = dict(B=3, Hq=4, Hkv=2, S=16, D=16, seq_lens=[12, 7, 10], starts=[0,
 TRITON_SMALL = dict(block_n1=16, block_n2=16, block_a=32, scan_elems=0, min_split1=16, min_split2=16, quantile_block=32,
                     block_nd=16, min_splitd=16, block_nb=16, block_n2_gqa=16, block_nb_gqa=32, quantile_parallel=False,
                     interleave2=0, interleave2_runs=1, quantile_sample=0, quantile_sparse_from=0)
-EMPTY_OPS = ("sparse", "sparse renormalised", "sparse, power-law threshold", "anchored", "anchored renormalised",
+EMPTY_OPS = ("sparse", "sparse renormalised", "sparse, power-law threshold", "sparse with its quantile", "anchored", "anchored renormalised",
              "dense", "warmup", "warmup gap")
 TRITON_EXTRA_OPS = ("anchored one-pass", "warmup, scores-quantile-filter kernels", "sparse renormalised, combine kernel")
 
@@ -238,6 +238,8 @@ def empty_range_results(backend: str) -> dict[str, dict]:
     summary("sparse", *kern.sparse(q, k, v, eta, sl, st))
     summary("sparse renormalised", *kern_r.sparse(q, k, v, eta, sl, st), renormalize=True)
     summary("sparse, power-law threshold", *kern.sparse(q, k, v, power, sl, st), threshold=power.eta())
+    out, kept, theta = kern.sparse_quantile(q, k, v, power, c["tau"], sl, st)
+    summary("sparse with its quantile", out, kept, theta=theta, threshold=power.eta())
     onepass = {"onepass": False} if backend == "triton" else {}
     for name, kernels, renorm in (("anchored", kern, False), ("anchored renormalised", kern_r, True)):
         gap = gap_prev.clone()

@@ -105,6 +105,28 @@ def test_sampled_prompt_rows_get_the_exact_quantile_of_their_causal_softmax():
     assert bool(state.fitted.all()) and method.decode_phase(0) == "sparse"
 
 
+@pytest.mark.parametrize("layout", ["window", "holes"])
+def test_prompt_row_quantiles_follow_any_valid_mask(layout):
+    """PromptChunk.quantiles equals masked_quantile of the rows' float64 softmax both where the decode
+    kernel measures it (each row's keys one range: a sliding window) and where it cannot (a mask with holes)."""
+    g = torch.Generator().manual_seed(5)
+    Hq, Hkv, P, D = 6, 2, 77, 16
+    q, k = torch.randn(1, Hq, P, D, generator=g), torch.randn(1, Hkv, P, D, generator=g)
+    valid = torch.ones(P, P, dtype=torch.bool).tril()
+    if layout == "window":
+        valid &= ~torch.ones(P, P, dtype=torch.bool).tril(-20)
+    else:
+        valid[:, 3::7] = False
+        valid |= torch.eye(P, dtype=torch.bool)
+    valid = valid[None, None]
+    rows = torch.tensor([9, 30, 52, 76])
+    theta = PromptChunk(q, k, valid, torch.tensor([P]), 0.25).quantiles(0, rows, 0.9)
+    scores = (q.double()[0, :, rows] @ k.double()[0].repeat_interleave(3, 0).transpose(1, 2)) * 0.25
+    probs = torch.softmax(scores.masked_fill(~valid[0, :, rows], float("-inf")), -1)
+    expected = masked_quantile(probs, valid[0, :, rows].expand_as(probs), 0.9)
+    torch.testing.assert_close(theta.double(), expected, rtol=1e-5, atol=1e-7)
+
+
 def _padded_prompts(lengths, seed=0):
     g = torch.Generator().manual_seed(seed)
     width = max(lengths)

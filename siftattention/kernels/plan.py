@@ -220,6 +220,29 @@ class DecodeKernels:
             return self._cpu.dense_decode_cpu(q, k_cache, v_cache, self.scale, seq_lens, starts)
         return dense_decode_torch(q, k_cache, v_cache, self.scale, seq_lens, starts)
 
+    def sparse_quantile(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        eta: torch.Tensor | PowerLawThreshold, tau: float, seq_lens: torch.Tensor,
+                        starts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``sparse``'s out and kept, and theta [B, Hq]: the exact tau-quantile of the step's probabilities (as
+        ``warmup``'s). On Triton the quantile selects from the scores the sparse step stored, so K and V
+        are read once; elsewhere an exact ``warmup`` step measures it."""
+        if self.backend == "triton":
+            return self._launch(self._td.sparse_quantile, q, k_cache, v_cache, eta, self._tau_tensor(tau), self.scale,
+                                seq_lens, starts, self.renormalize, self.config)
+        out, kept = self.sparse(q, k_cache, v_cache, eta, seq_lens, starts)
+        return out, kept, self.warmup(q, k_cache, v_cache, tau, seq_lens, starts)[1]
+
+    def _tau_tensor(self, tau: torch.Tensor | float) -> torch.Tensor:
+        """``tau`` as the float64 [B, Hq] tensor the kernels read (a float's tensor made once, on the first,
+        eager step, never inside a captured one)."""
+        if isinstance(tau, torch.Tensor):
+            return tau.to(torch.float64).contiguous()
+        tau_t = self._taus.get(float(tau))
+        if tau_t is None:
+            tau_t = self._taus[float(tau)] = torch.full((self.batch, self.q_heads), float(tau), dtype=torch.float64,
+                                                       device=self.device)
+        return tau_t
+
     def warmup(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tau: torch.Tensor | float,
                seq_lens: torch.Tensor, starts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Exact output and theta [B, Hq] float32, the tau-quantile of each head's probabilities.
@@ -228,12 +251,7 @@ class DecodeKernels:
         rule at position ``tau * (n - 1)`` ascending, ``n = seq_len - start``. The
         "cpu" backend selects the order statistics in linear time (no sort).
         """
-        if isinstance(tau, torch.Tensor):
-            tau_t = tau.to(torch.float64).contiguous()
-        else:
-            tau_t = self._taus.get(float(tau))
-            if tau_t is None:  # filled once (the first, eager step), never inside a captured step
-                tau_t = self._taus[float(tau)] = torch.full((self.batch, self.q_heads), float(tau), dtype=torch.float64, device=self.device)
+        tau_t = self._tau_tensor(tau)
         if self.backend == "triton":
             return self._launch(self._td.warmup, q, k_cache, v_cache, tau_t, self.scale, seq_lens, starts, self.config)
         if self.backend == "cpu":

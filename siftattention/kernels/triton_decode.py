@@ -55,6 +55,14 @@ def sparse(geo: dict, ws: Workspace, q, k_cache, v_cache, eta, scale: float, seq
     return out, kept
 
 
+def sparse_quantile(geo: dict, ws: Workspace, q, k_cache, v_cache, eta, tau, scale: float, seq_lens, starts,
+                    renormalize: bool, cfg: KernelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A sparse step, then theta [B, Hq] from the scores its first pass left in the workspace: the exact
+    quantile of the step's probabilities for one more pass over float32 scores, K and V read once."""
+    out, kept = sparse(geo, ws, q, k_cache, v_cache, eta, scale, seq_lens, starts, renormalize, cfg)
+    return out, kept, quantile_pass(geo, ws, tau, seq_lens, starts, cfg)
+
+
 def warmup(geo: dict, ws: Workspace, q, k_cache, v_cache, tau, scale: float, seq_lens, starts,
            cfg: KernelConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact output plus theta; ``tau`` is a float64 [B, Hq] tensor."""
@@ -130,6 +138,6 @@ def dense_decode_triton(
 
 __all__ = [
     "KernelConfig", "Workspace", "config_for", "geometry", "anchored_onepass", "stream_counters", "scores_pass",
-    "filter_pass", "sparse", "dense", "warmup", "warmup_gap", "sift_decode_triton", "sift_warmup_decode_triton",
+    "filter_pass", "sparse", "sparse_quantile", "dense", "warmup", "warmup_gap", "sift_decode_triton", "sift_warmup_decode_triton",
     "dense_decode_triton", "LOG2E",
 ]

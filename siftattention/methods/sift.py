@@ -350,13 +350,20 @@ class Sift(Method):
             if self.anchored:
                 state.gap.copy_(kernels.warmup_gap(query, k_cache, keys.seq_lens, keys.starts, *self.anchors))
             return DecodeOutput(out, None, False)
+        threshold = self.power_law(state, keys)
+        if phase == "recalibrate" and not self.anchored:
+            # The step filters with the fit so far, then its exact quantile (from the scores the step
+            # computed anyway) joins the fit.
+            out, kept, theta = kernels.sparse_quantile(query, k_cache, v_cache, threshold, self.tau, keys.seq_lens,
+                                                       keys.starts)
+            self._recalibrate(state, keys.steps(), theta, state.calibrated)
+            return DecodeOutput(out, kept, state.fitted)
         if self.anchored:
-            out, kept = kernels.sparse_anchored(query, k_cache, v_cache, self.power_law(state, keys), state.gap,
+            out, kept = kernels.sparse_anchored(query, k_cache, v_cache, threshold, state.gap,
                                                 keys.seq_lens, keys.starts, *self.anchors)
         else:
-            out, kept = kernels.sparse(query, k_cache, v_cache, self.power_law(state, keys), keys.seq_lens, keys.starts)
+            out, kept = kernels.sparse(query, k_cache, v_cache, threshold, keys.seq_lens, keys.starts)
         if phase == "recalibrate":
-            # The step filters with the fit so far, then its exact quantile joins the fit.
             _, theta = kernels.warmup(query, k_cache, v_cache, self.tau, keys.seq_lens, keys.starts)
             self._recalibrate(state, keys.steps(), theta, state.calibrated)
         return DecodeOutput(out, kept, state.fitted)
@@ -451,8 +458,7 @@ class Sift(Method):
             mine = b_idx == b
             rows, slots = r_idx[mine], slot[mine]
             for a in range(0, rows.numel(), per_call):
-                probs, valid = chunk.probs(b, rows[a:a + per_call])
-                theta = masked_quantile(probs, valid.expand_as(probs), self.tau)  # [H, n]
+                theta = chunk.quantiles(b, rows[a:a + per_call], self.tau)  # [H, n]
                 state.prompt_thetas[b, :, slots[a:a + per_call]] = theta
                 state.prompt_recorded[b, slots[a:a + per_call]] = True
         if self.anchored:  # the first decoded token filters with the last prompt row's gap, as after a warmup
