@@ -282,5 +282,43 @@ def test_triton_step_matches_float64(triton_rows):
         assert r["cand"] == r["cand_torch"], r
 
 
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@needs_cuda
+def test_cuda_keybound_matches_float64_and_captures():
+    """The planned key-bound step on the GPU with the device's own launch plan, eager and replayed from a CUDA graph."""
+    from siftattention.kernels import DecodeKernels
+
+    dev = torch.device("cuda")
+    for B, Hq, Hkv, S, D, dt in [(2, 32, 8, 4099, 128, torch.float16), (3, 9, 3, 2051, 64, torch.bfloat16),
+                                 (1, 12, 2, 8193, 128, torch.bfloat16), (2, 4, 1, 1031, 256, torch.float32)]:
+        gen = torch.Generator().manual_seed(seed("cuda", B, Hq, S))
+        q, k, v, sl, st = range_case(B, Hq, Hkv, S, D, dt, gen)
+        eta = planted_eta(scores64(q, k, D**-0.5), valid_of(B, S, sl, st), gen)
+        keys = quantize_keys(k)
+        kern = DecodeKernels.plan(batch=B, q_heads=Hq, kv_heads=Hkv, max_len=S, head_dim=D, dtype=dt, device=dev,
+                                  scale=D**-0.5)
+        args = [x.to(dev) for x in (q, k, v)] + [type(keys)(*(x.to(dev) for x in keys)), eta.to(dev), sl.to(dev),
+                                                  st.to(dev)]
+        out, kept = kern.sparse_keybound(*args)
+        r = keybound_step_torch(q, k, v, keys, eta, D**-0.5, sl, False, st)
+        res = check_step(q, k, v, eta, sl, st, False, out.cpu(), kept.cpu(), r["epsilon"],
+                         1e-5 if dt == torch.float32 else 1e-2)
+        assert res["kept_ok"] and res["err"] <= res["err_bound"], res
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            kern.sparse_keybound(*args)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=side):
+            g_out, g_kept = kern.sparse_keybound(*args)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(g_kept, kept) and torch.equal(g_out, out)
+        assert int(kern.workspace.sync.abs().sum()) == 0
+
+
 if __name__ == "__main__" and "--triton-worker" in sys.argv:
     print(json.dumps(_triton_worker(sys.argv[sys.argv.index("--triton-worker") + 1])))
