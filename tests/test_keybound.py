@@ -320,5 +320,65 @@ def test_cuda_keybound_matches_float64_and_captures():
         assert int(kern.workspace.sync.abs().sum()) == 0
 
 
+
+# ----------------------------------------------------------------------------- the fast loop's cache and Sift
+
+
+def test_fixed_cache_keeps_the_int8_copy():
+    """After a prompt and one-token writes at device positions, the copy is a fresh quantisation of the keys."""
+    from conftest import tiny_llama
+
+    from siftattention.generation.cache import FixedCache
+
+    cache = FixedCache(tiny_llama().config, 12, int8_keys=True)
+    layer = cache.layers[0]
+    gen = torch.Generator().manual_seed(3)
+    prompt = torch.randn(2, 2, 7, 16, generator=gen)
+    prompt[1, :, :3] = 0.0  # a left-padded row's positions
+    layer.update(prompt, prompt)
+    assert layer.key_copy.values.shape == (2, 2, 12, 16)
+    cache.position.tensor = torch.tensor([7])
+    for _ in range(3):
+        k = torch.randn(2, 2, 1, 16, generator=gen) * 5
+        layer.update(k, k)
+        cache.position.tensor += 1
+    fresh = quantize_keys(layer.keys[:, :, :10])
+    assert torch.equal(layer.key_copy.values[:, :, :10], fresh.values)
+    assert torch.equal(layer.key_copy.scales[:, :, :10], fresh.scales)
+    assert cache.key_copy_bytes() == 2 * 2 * 12 * (16 + 4)
+    assert FixedCache(tiny_llama().config, 12).key_copy(0) is None
+
+
+def test_sift_keybound_generates_through_the_fast_loop(monkeypatch):
+    """Sift(keybound=True) decodes left-padded rows with the key-bound step over the loop's int8 copy, which
+    equals a fresh quantisation of every written key; its tokens are the exact step's."""
+    from conftest import tiny_llama
+    from test_generation import _left_padded_batch, _model
+
+    from siftattention import Sift
+    from siftattention.generation import generate, loop
+    from siftattention.kernels import DecodeKernels
+
+    model = _model(tiny_llama)
+    ids, mask = _left_padded_batch()
+    caches, calls = [], []
+    real_cache, real_step = loop.FixedCache, DecodeKernels.sparse_keybound
+    monkeypatch.setattr(loop, "FixedCache", lambda *a, **kw: caches.append(real_cache(*a, **kw)) or caches[-1])
+    monkeypatch.setattr(DecodeKernels, "sparse_keybound", lambda self, *a: calls.append(1) or real_step(self, *a))
+    kw = dict(max_new_tokens=10, eos_token_id=-1, pad_token_id=0)
+    method = dict(tau=0.5, warmup=4, warmup_source="decode")
+    res = generate(model, ids, mask, Sift(keybound=True, **method), **kw)
+    exact = generate(model, ids, mask, Sift(**method), **kw)
+    assert calls and res.fast and torch.equal(res.sequences, exact.sequences)
+    assert res.timings["key_copy_bytes"] == caches[0].key_copy_bytes() > 0 and "key_copy_bytes" not in exact.timings
+    written = 13 + 9  # the prompt, then every decode step's token
+    for layer in caches[0].layers:
+        fresh = quantize_keys(layer.keys[:, :, :written])
+        assert torch.equal(layer.key_copy.values[:, :, :written], fresh.values)
+        assert torch.equal(layer.key_copy.scales[:, :, :written], fresh.scales)
+    with pytest.raises(ValueError, match="keybound=True needs normalizer='exact'"):
+        Sift(keybound=True, normalizer="anchored")
+
+
 if __name__ == "__main__" and "--triton-worker" in sys.argv:
     print(json.dumps(_triton_worker(sys.argv[sys.argv.index("--triton-worker") + 1])))
