@@ -6,6 +6,8 @@ One command on a CUDA machine, from the repository root:
     PYTHONPATH=. python3 benchmarks/bench_decode.py --quick --out q.json          # target settings
     PYTHONPATH=. python3 benchmarks/bench_decode.py --quick --heads 32,8 --group-corr 0.5 0.9   # correlated GQA heads
     PYTHONPATH=. python3 benchmarks/bench_decode.py --check                       # GPU correctness suite
+    PYTHONPATH=. python3 benchmarks/bench_decode.py --quick --keybound            # + the key-bound step (int8 key scan)
+    PYTHONPATH=. python3 benchmarks/bench_decode.py --check --keybound            # + its correctness cases
     PYTHONPATH=. python3 benchmarks/bench_decode.py --tune                        # per-pass config sweep
     PYTHONPATH=. python3 benchmarks/bench_decode.py --tune-grid                   # whole-step KernelConfig grid
     PYTHONPATH=. python3 benchmarks/bench_decode.py --ncu --batch 8 --seq 32768   # DRAM bytes (Nsight Compute)
@@ -45,6 +47,7 @@ import torch.nn.functional as F
 
 from siftattention.kernels import DecodeKernels, sift_decode, sift_warmup_decode
 from siftattention.kernels import triton_decode as td
+from siftattention.kernels.keybound import Int8Keys, keybound_bytes, keybound_step_torch, quantize_keys
 from siftattention.kernels.plan import PowerLawThreshold
 from siftattention.kernels.torch_ref import anchor_gap_torch
 
@@ -309,6 +312,10 @@ def run_check(args):
                 ok = err < tol and kept_ok and bool(torch.isfinite(out).all())
                 fails += not ok
                 rows.append(dict(case=[B, Hq, Hkv, S, D, str(dt), ragged, nc], sparsity=sp, renorm=renorm, err=err, kept_ok=kept_ok, ok=ok))
+                if args.keybound and D <= 256:
+                    row = keybound_check(q, k, v, eta, sl, kept_ref, renorm, tol)
+                    fails += not row["ok"]
+                    rows.append(dict(case=[B, Hq, Hkv, S, D, str(dt), ragged, nc], sparsity=sp, renorm=renorm, **row))
         # eta edges: <= 0 keeps every valid key, >= 1 the maximum only, in both backends
         n_valid = (torch.full((B,), S, device=DEV) if sl is None else sl)[:, None].expand(B, Hq).int()
         for e in (-1.0, 0.0, 1.0, 3.0):
@@ -350,7 +357,8 @@ def run_check(args):
     print(f"CHECK: {len(rows) - fails} passed, {fails} failed", flush=True)
     # DecodeKernels with starts, GQA 1/2/4/8, eta edges, CUDA-graph capture: the CUDA tests of tests/test_kernels.py
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.join(root, "tests", "test_kernels.py"),
+    files = [os.path.join(root, "tests", f) for f in ("test_kernels.py",) + (("test_keybound.py",) if args.keybound else ())]
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files,
                         "-k", "cuda"], capture_output=True, text=True, cwd=root)
     print(p.stdout[-3000:], p.stderr[-2000:])
     tests_ok = p.returncode == 0
@@ -358,6 +366,32 @@ def run_check(args):
     fails += not tests_ok
     print(f"CHECK + CUDA tests: {len(rows) - fails} passed, {fails} failed")
     return rows, fails
+
+
+def keybound_check(q, k, v, eta, sl, kept_ref, renorm, tol) -> dict:
+    """The planned key-bound step against float64: each head's kept count off the exact rule's by at most its
+    keys within epsilon of the threshold, the output within tol and the normaliser's factor exp(epsilon)."""
+    B, Hq, D = q.shape
+    S = k.shape[2]
+    kern = planned(q, k, renormalize=renorm)
+    sl_i = full_lens(B, S) if sl is None else sl.int()
+    keys = quantize_keys(k)
+    out, kept = kern.sparse_keybound(q, k, v, keys, eta.float(), sl_i)
+    ref = keybound_step_torch(q, k, v, keys, eta.float(), D**-0.5, sl_i, renorm)
+    eps = ref["epsilon"]
+    err, near = 0.0, torch.zeros(B, Hq, dtype=torch.int32, device=DEV)
+    for b in range(B):
+        n = int(sl_i[b])
+        s = ref_scores64(q[b : b + 1], k[b : b + 1, :, :n], 0)
+        t = torch.logsumexp(s, -1) + torch.log(eta[b].double())
+        near[b] = ((s - t[:, None]).abs() <= eps[b].double()[:, None] + 1e-3).sum(-1).int()
+        r = ref_out64(q[b : b + 1], k[b : b + 1, :, :n], v[b : b + 1, :, :n], eta[b : b + 1], 0, renorm)
+        err = max(err, rel_err(out[b], r))
+    kept_ok = bool(((kept - kept_ref).abs() <= near).all())
+    bound = tol + (0.0 if renorm else 2 * math.expm1(float(eps.max())))
+    cand = float(kern.keybound_candidates().double().sum()) / float(sl_i.double().sum() * k.shape[1])
+    return dict(keybound=True, err=err, err_bound=bound, kept_ok=kept_ok, kept_equal=bool(torch.equal(kept, kept_ref)),
+                eps_max=float(eps.max()), candidates=cand, ok=kept_ok and err < bound and bool(torch.isfinite(out).all()))
 
 
 def run_tune(args):
@@ -613,6 +647,7 @@ def run_sweep(args, copy_bps):
             t_sdpa = bench(sdpa_decode, sets)
             t_warm = bench(lambda q, k, v: kern.warmup(q, k, v, 0.875, sl), sets)
         ths = [thresholds(q, k, args.sparsity) for (q, k, v) in sets]
+        kb_keys = [quantize_keys(k) for (q, k, v) in sets] if args.keybound else None
         for j, sp in enumerate(args.sparsity):
             th = [t[j] for t in ths]
             etas = [t[0] for t in th]
@@ -654,6 +689,8 @@ def run_sweep(args, copy_bps):
                 pick = "1" if kern.anchored_onepass else "2"  # what the library runs on this plan
                 anchored.update({key.replace(pick, "", 1): anchored[key] for key in list(anchored)
                                  if key.startswith(f"anchored{pick}_")})
+            keybound = keybound_cells(kern, sets, kb_keys, etas, th, sl, union, t_sdpa_g, t_sift_g, copy_bps) if (
+                args.keybound) else {}
             kk = max(1, round((1 - sp) * S))
             topk_fn = lambda q, k, v: topk_decode(q, k, v, kk)  # noqa: E731
             t_topk_g = bench_graph(topk_fn, sets)
@@ -671,7 +708,7 @@ def run_sweep(args, copy_bps):
                 sift_vs_floor=t_sift_g * 1e-3 / (floor_bytes / copy_bps),
                 sdpa_vs_floor=t_sdpa_g * 1e-3 / (dense / copy_bps),
                 dense_vs_floor=t_dense_g * 1e-3 / (dense / copy_bps),
-                out_rel_err=err, warmup_out_err=w_err, dense_out_err=d_err, theta_rel_err=th_err, **anchored,
+                out_rel_err=err, warmup_out_err=w_err, dense_out_err=d_err, theta_rel_err=th_err, **anchored, **keybound,
             )
             if args.eager:
                 t_sift = bench(sift_fn, sift_sets)
@@ -687,13 +724,48 @@ def run_sweep(args, copy_bps):
                    f"{row['anchored1_vs_sdpa_graph']:.3f}x, two-pass {row['anchored2_vs_sdpa_graph']:.3f}x)" if anchored else ""),
                 flush=True,
             )
-        sets = kern = None  # free the inputs before the next shape
+            if keybound:
+                print(f"  keybound: {keybound['keybound_graph_ms']:.4f} ms ({keybound['keybound_vs_sdpa_graph']:.3f}x sdpa, "
+                      f"{keybound['keybound_vs_sift']:.3f}x exact sift, {keybound['keybound_vs_floor']:.2f}x its floor) "
+                      f"candidates={keybound['keybound_candidates']:.3f} of key rows, bytes={keybound['keybound_bytes_vs_dense']:.3f} "
+                      f"of dense (exact sift's floor {floor_bytes / dense:.3f}), int8 copy +{keybound['keybound_copy_vs_kv']:.3f} "
+                      f"of K+V, eps<={keybound['keybound_eps_max']:.1e}, kept heads off float64 {keybound['keybound_kept_off']}, "
+                      f"err={keybound['keybound_out_err']:.1e}", flush=True)
+        sets = kern = kb_keys = None  # free the inputs before the next shape
         torch.cuda.empty_cache()
         print(f"  config {i + 1}/{len(configs)} took {time.time() - t0:.1f}s", flush=True)
         if args.out:  # partial results survive a time limit (and are resumed)
             with open(args.out + ".partial", "w") as f:
                 json.dump(rows, f)
     return rows
+
+
+def keybound_cells(kern, sets, keys, etas, th, sl, union, t_sdpa, t_sift, copy_bps) -> dict:
+    """The key-bound step on ``sets`` (planted or captured) beside the exact one: checked (set 0's output against
+    float64 within its epsilon, kept counts against the planted float64 counts), timed from CUDA graphs, its
+    candidate fraction, bytes (int8 scan + scales + candidates' K + kept V) and their ratio to its time."""
+    q, k, v = sets[0]
+    B, Hq, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    cand, off = [], 0
+    for si, ((q, k, v), kq, e) in enumerate(zip(sets, keys, etas)):
+        out, kept = kern.sparse_keybound(q, k, v, kq, e, sl)
+        cand.append(float(kern.keybound_candidates().double().sum()))
+        off += int((kept != th[si][1]).sum())
+        if si == 0:
+            ref = keybound_step_torch(q, k, v, kq, e, kern.scale, None, kern.renormalize)
+            eps = float(ref["epsilon"].max())
+            err = max(rel_err(out[b], ref_out64(q, k, v, e, b)) for b in range(B))
+            assert err < 1e-2 + 2 * math.expm1(eps), (err, eps)
+    fn = lambda q, k, v, e, kv, ks: kern.sparse_keybound(q, k, v, Int8Keys(kv, ks), e, sl)  # noqa: E731
+    t = bench_graph(fn, [s + (e,) + tuple(kq) for s, e, kq in zip(sets, etas, keys)])
+    rows = sum(cand) / len(cand)
+    nbytes = keybound_bytes(B, Hkv, S, D, k.element_size(), rows, union * B * Hkv * S)
+    return dict(keybound_graph_ms=t, keybound_vs_sdpa_graph=t / t_sdpa, keybound_vs_sift=t / t_sift,
+                keybound_candidates=rows / (B * Hkv * S), keybound_bytes=nbytes["total"],
+                keybound_bytes_vs_dense=nbytes["vs_dense"], keybound_vs_floor=t * 1e-3 / (nbytes["total"] / copy_bps),
+                keybound_copy_vs_kv=keys[0].nbytes() / nbytes["dense"], keybound_eps_max=eps,
+                keybound_kept_off=off, keybound_out_err=err)
 
 
 def print_table(rows):
@@ -913,6 +985,9 @@ def main():
     ap.add_argument("--anchored", type=int, nargs="*", metavar="N",
                     help="also time Sift(normalizer='anchored')'s step, one-pass and two-pass (anchors FIRST LAST, default 64 256)")
     ap.add_argument("--check", action="store_true")
+    ap.add_argument("--keybound", action="store_true",
+                    help="also run the key-bound step (int8 key scan, full keys of the candidates only) beside the "
+                         "exact one: time, bytes, candidate fraction; with --check, its correctness cases")
     ap.add_argument("--config", type=kernel_overrides, metavar="JSON",
                     help='KernelConfig overrides for every mode (the sweep, --check, --ncu, --tune-grid\'s base), e.g. {"stages1": 4}')
     ap.add_argument("--tune", action="store_true")

@@ -416,6 +416,7 @@ class SiftHandle:
             return None
         if self.context is not None:
             keys = self.context.keys(kwargs.get("sliding_window", getattr(module, "sliding_window", None)))
+            keys.key_copy = self.context.key_copy(layer)
         else:
             if not self._range_ok.get(layer, False) or (attention_mask is not None and attention_mask.dtype != torch.bool):
                 return None

@@ -108,6 +108,7 @@ def run_case(case: tuple) -> dict:
 
 def run_steps(kern, case: tuple) -> None:
     """Every run method of the plan once, on empty tensors of the case's shapes."""
+    from siftattention.kernels.keybound import MAX_HEAD_DIM, Int8Keys
     from siftattention.kernels.plan import PowerLawThreshold
 
     B, Hq, Hkv, S, D, dtype, renorm, with_starts, eta_tensor, changes = case
@@ -121,6 +122,9 @@ def run_steps(kern, case: tuple) -> None:
     kern.dense(q, k, v, seq_lens, starts)
     kern.warmup(q, k, v, 0.875, seq_lens, starts)
     kern.sparse(q, k, v, torch.full((B, Hq), 1e-3) if eta_tensor else power_law, seq_lens, starts)
+    if D <= MAX_HEAD_DIM:
+        keys = Int8Keys(torch.empty(B, Hkv, S, D, dtype=torch.int8), torch.empty(B, Hkv, S))
+        kern.sparse_keybound(q, k, v, keys, torch.full((B, Hq), 1e-3) if eta_tensor else power_law, seq_lens, starts)
     if cfg.fused_combine:  # the anchored steps need the fused combine (the gap is written there)
         kern.warmup_gap(q, k, seq_lens, starts, 64, 256)
         kern.sparse_anchored(q, k, v, power_law, gap, seq_lens, starts, 64, 256, onepass=False)
@@ -131,10 +135,11 @@ def kernel_names() -> list[str]:
     """Every ``*_kernel`` JIT function of the Triton modules."""
     from triton.runtime.jit import JITFunction
 
-    from siftattention.kernels import (triton_dense, triton_filter, triton_onepass, triton_quantile, triton_scores,
-                                       triton_warmup)
+    from siftattention.kernels import (triton_dense, triton_filter, triton_keybound, triton_onepass, triton_quantile,
+                                       triton_scores, triton_warmup)
 
-    modules = (triton_scores, triton_filter, triton_dense, triton_warmup, triton_onepass, triton_quantile)
+    modules = (triton_scores, triton_filter, triton_dense, triton_warmup, triton_onepass, triton_quantile,
+               triton_keybound)
     return sorted({name for mod in modules for name, obj in vars(mod).items()
                    if isinstance(obj, JITFunction) and name.endswith("_kernel")})
 

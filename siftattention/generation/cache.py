@@ -7,6 +7,10 @@ sees only the prompt's keys); from then on a one-token write goes to the device
 position ``write_pos`` and the attention sees the whole buffer, with the valid range
 of each row given by the loop (``KeyRange``), not by a mask. Sliding-window layers
 keep every position too: their window is a start offset of the valid range.
+
+With ``int8_keys`` every layer also keeps an int8 copy of its keys (``kernels.keybound``: int8
+values and a float32 scale per key row, +25% of a bf16 KV cache at D = 128), written with each
+key, for the key-bound sift step.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ from typing import Any
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
+
+from ..kernels.keybound import Int8Keys, new_int8_keys, write_int8_keys
 
 
 class WritePosition:
@@ -35,18 +41,22 @@ class FixedLayer(CacheLayerMixin):
 
     is_compileable = True
 
-    def __init__(self, position: WritePosition, max_len: int, sliding: bool) -> None:
+    def __init__(self, position: WritePosition, max_len: int, sliding: bool, int8_keys: bool = False) -> None:
         super().__init__()
         self.position = position
         self.max_len = max_len
         self.is_sliding = sliding
         self.length = 0  # keys written by the prompt (host-side; decode writes are counted on the device)
+        self.int8_keys = int8_keys
+        self.key_copy: Int8Keys | None = None  # allocated with the buffers where int8_keys
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any) -> None:
         B, H, _, Dk = key_states.shape
         self.dtype, self.device = key_states.dtype, key_states.device
         self.keys = key_states.new_zeros(B, H, self.max_len, Dk)
         self.values = value_states.new_zeros(B, H, self.max_len, value_states.shape[-1])
+        if self.int8_keys:
+            self.key_copy = new_int8_keys(B, H, self.max_len, Dk, self.device)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,12 +66,16 @@ class FixedLayer(CacheLayerMixin):
         if pos is not None and key_states.shape[2] == 1:
             self.keys.index_copy_(2, pos, key_states)
             self.values.index_copy_(2, pos, value_states)
+            if self.key_copy is not None:
+                write_int8_keys(self.key_copy, key_states, index=pos)
             return self.keys, self.values
         n = key_states.shape[2]
         if self.length + n > self.max_len:
             raise ValueError(f"the prompt needs {self.length + n} cache positions, the cache holds {self.max_len}")
         self.keys[:, :, self.length : self.length + n] = key_states
         self.values[:, :, self.length : self.length + n] = value_states
+        if self.key_copy is not None:
+            write_int8_keys(self.key_copy, key_states, start=self.length)
         self.length += n
         return self.keys[:, :, : self.length], self.values[:, :, : self.length]
 
@@ -79,11 +93,21 @@ class FixedLayer(CacheLayerMixin):
 
 
 class FixedCache(Cache):
-    """transformers ``Cache`` of ``FixedLayer``s: one per decoder layer of ``config``."""
+    """transformers ``Cache`` of ``FixedLayer``s: one per decoder layer of ``config`` (``int8_keys``: each
+    with an int8 copy of its keys)."""
 
-    def __init__(self, config: Any, max_len: int) -> None:
+    def __init__(self, config: Any, max_len: int, int8_keys: bool = False) -> None:
         text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         layer_types = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
         self.position = WritePosition()
-        super().__init__(layers=[FixedLayer(self.position, max_len, kind == "sliding_attention") for kind in layer_types])
+        super().__init__(layers=[FixedLayer(self.position, max_len, kind == "sliding_attention", int8_keys)
+                                 for kind in layer_types])
         self.max_len = max_len
+
+    def key_copy(self, layer: int) -> Int8Keys | None:
+        """The int8 key copy of ``layer`` (None without ``int8_keys``)."""
+        return self.layers[layer].key_copy
+
+    def key_copy_bytes(self) -> int:
+        """Memory of every layer's int8 key copy."""
+        return sum(layer.key_copy.nbytes() for layer in self.layers if layer.key_copy is not None)

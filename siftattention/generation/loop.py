@@ -70,6 +70,8 @@ class DecodeContext:
         self.log_steps = self.steps.float().log()
         # Per sliding window: (starts, steps, log steps), formed once a step for all its layers.
         self.windows: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        #: The cache's int8 key copy of a layer, or None (set by the loop where the method reads one).
+        self.key_copy: Any = lambda layer: None
 
     def keys(self, window: int | None) -> KeyRange:
         if window is None:
@@ -189,8 +191,9 @@ class _Loop:
         self.device = input_ids.device
         self.eos, self.pad = eos, pad_token_id
         self.use_graphs = use_graphs
-        self.cache = FixedCache(model.config, self.P + self.T)
+        self.cache = FixedCache(model.config, self.P + self.T, int8_keys=getattr(handle.method, "keybound", False))
         self.ctx = DecodeContext(self.P - mask.sum(1), self.P)
+        self.ctx.key_copy = self.cache.key_copy
         self.accepts = _forward_kwargs(model)
         self.cache_arg = _cache_kwarg(self.accepts)
         self.tokens = torch.zeros(self.B, dtype=torch.long, device=self.device)
@@ -396,7 +399,8 @@ def generate(
     new = loop.out[:, : used + 1]
     return GenerationResult(
         sequences=torch.cat([input_ids, new], dim=1), new_tokens=new, num_generated=num, stats=handle.stats, fast=True,
-        timings={"prefill_s": prefill_s, "decode_s": decode_s, "decode_steps": steps, "phases": clock.totals()},
+        timings={"prefill_s": prefill_s, "decode_s": decode_s, "decode_steps": steps, "phases": clock.totals(),
+                 **({"key_copy_bytes": loop.cache.key_copy_bytes()} if loop.cache.key_copy_bytes() else {})},
         scores=None if loop.scores is None else loop.scores[:, : used + 1],
     )
 

@@ -33,6 +33,7 @@ from typing import Any, Iterator
 import torch
 
 from .arguments import PowerLawThreshold, check_shape
+from .keybound import MAX_HEAD_DIM, Int8Keys, sift_keybound_decode_torch
 from .torch_ref import (anchor_gap_torch, dense_decode_torch, sift_anchored_decode_torch, sift_decode_torch,
                         sift_warmup_decode_torch)
 
@@ -108,6 +109,8 @@ class DecodeKernels:
         self._taus: dict[float, torch.Tensor] = {}  # a float tau as the [B, Hq] tensor the kernels read
         self._onepass: dict[tuple[int, int], object] = {}  # one-pass anchored plans by (first, last) anchors
         self.anchored_onepass = False  # Triton plans: whether sparse_anchored runs the one-pass kernel
+        self._keybound: Any = None  # Triton: the key-bound step's extra buffers, allocated on first use
+        self._candidates: torch.Tensor | None = None  # other backends: the last key-bound step's candidate rows
         if backend == "triton":
             from . import triton_decode as td
 
@@ -165,6 +168,45 @@ class DecodeKernels:
         if self.backend == "cpu":
             return self._cpu.sift_decode_cpu(q, k_cache, v_cache, eta, self.scale, seq_lens, self.renormalize, starts)
         return sift_decode_torch(q, k_cache, v_cache, eta, self.scale, seq_lens, self.renormalize, starts)
+
+    def sparse_keybound(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, keys: Int8Keys,
+                        eta: torch.Tensor | PowerLawThreshold, seq_lens: torch.Tensor,
+                        starts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sift step that reads full keys only where an int8 bound cannot drop them (``keybound``): out and kept
+        as ``sparse``, equal to it except keys within the step's epsilon of the threshold.
+
+        ``keys``: the int8 copy of ``k_cache`` (``keybound.quantize_keys``), values [B, Hkv, >= L, D] int8 and
+        scales [B, Hkv, >= L] float32. Its shapes are checked on every call (metadata only, no sync); the
+        Triton buffers are allocated on the first (eager) call. ``keybound_candidates()`` then gives the key
+        rows it read in full.
+        """
+        check_int8_keys(keys, k_cache, self.head_dim)
+        if self.backend == "triton":
+            if self._keybound is None:
+                from .triton_keybound import KeyboundWorkspace
+
+                self._keybound = KeyboundWorkspace(self.geometry, self.device)
+            from .triton_keybound import sparse_keybound
+
+            return self._launch(sparse_keybound, self._keybound, q, k_cache, v_cache, keys, eta, self.scale, seq_lens,
+                                starts, self.renormalize, self.config)
+        if isinstance(eta, PowerLawThreshold):
+            eta = eta.eta()
+        L = k_cache.shape[2]
+        keys = Int8Keys(keys.values[:, :, :L], keys.scales[:, :, :L])
+        out, kept, self._candidates = sift_keybound_decode_torch(q, k_cache, v_cache, keys, eta, self.scale, seq_lens,
+                                                                 self.renormalize, starts)
+        return out, kept
+
+    def keybound_candidates(self) -> torch.Tensor:
+        """[B, Hkv] int32: key rows the last ``sparse_keybound`` call read in full (its candidates)."""
+        if self.backend == "triton":
+            if self._keybound is None:
+                raise ValueError("keybound_candidates: no sparse_keybound step has run on this plan")
+            return self._keybound.candidates()
+        if self._candidates is None:
+            raise ValueError("keybound_candidates: no sparse_keybound step has run on this plan")
+        return self._candidates
 
     def sparse_anchored(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         threshold: PowerLawThreshold, gap: torch.Tensor, seq_lens: torch.Tensor,
@@ -292,8 +334,27 @@ class DecodeKernels:
         """Device memory the plan holds (0 for the torch backend)."""
         if self.backend != "triton":
             return 0
-        return self.workspace.nbytes() + sum(run.scratch_bytes() for run in self._onepass.values())
+        extra = self._keybound.nbytes() if self._keybound is not None else 0
+        return self.workspace.nbytes() + extra + sum(run.scratch_bytes() for run in self._onepass.values())
 
     def __repr__(self) -> str:
         return (f"DecodeKernels(backend={self.backend!r}, batch={self.batch}, heads={self.q_heads}/{self.kv_heads}, "
                 f"max_len={self.max_len}, head_dim={self.head_dim}, dtype={self.dtype}, device={self.device})")
+
+
+def check_int8_keys(keys: Any, k_cache: torch.Tensor, head_dim: int) -> None:
+    """Raise ValueError (one line) unless ``keys`` is an int8 copy that fits ``k_cache`` [B, Hkv, L, D]."""
+    if not isinstance(keys, tuple) or len(keys) != 2:
+        raise ValueError("keys must be an Int8Keys (values, scales) from keybound.quantize_keys")
+    values, scales = keys
+    B, Hkv, L, D = k_cache.shape
+    if head_dim > MAX_HEAD_DIM:
+        raise ValueError(f"the key-bound step supports head_dim <= {MAX_HEAD_DIM}, got {head_dim}")
+    if values.dtype != torch.int8 or scales.dtype != torch.float32:
+        raise ValueError(f"keys must be int8 values and float32 scales, got {values.dtype} and {scales.dtype}")
+    if values.dim() != 4 or tuple(values.shape[:2]) != (B, Hkv) or values.shape[2] < L or values.shape[3] != D:
+        raise ValueError(f"key values {tuple(values.shape)} do not cover the cache {tuple(k_cache.shape)}")
+    if tuple(scales.shape) != tuple(values.shape[:3]):
+        raise ValueError(f"key scales {tuple(scales.shape)} must be {tuple(values.shape[:3])}")
+    if values.device != k_cache.device or scales.device != k_cache.device:
+        raise ValueError("keys must be on the cache's device")

@@ -70,29 +70,35 @@ def _row_stats(Mst, Lst, Ast, row, g_mask, NUM_SPLITS, BLOCK_S: tl.constexpr):
 
 
 @triton.jit
-def _thresholds(Mst, Lst, Ast, Eta, Beta, LogSteps, row, b, g_mask, NUM_SPLITS1, BLOCK_S1: tl.constexpr,
-                KEEP_ALL: tl.constexpr, POWER_LAW: tl.constexpr):
-    """Row max M, normaliser L, log2-domain threshold and argmax per head of the tile.
+def _eta_threshold(m, l, Eta, Beta, LogSteps, row, b, g_mask, POWER_LAW: tl.constexpr):
+    """log2-domain threshold ``m + log2(eta) + log2(l)`` per head of the tile.
 
     POWER_LAW: ``Eta`` holds log alpha, and log2(eta) = (log alpha - beta * log S) * log2(e).
     """
+    # p > eta  <=>  s2 > M + log2(eta) + log2(L). eta <= 0 (log alpha = -inf: no fit) keeps
+    # every key; eta >= 1 keeps none but the maximum (p <= 1), whatever the rounding of
+    # log2(L); NaN keeps the maximum only, as p > NaN.
+    if POWER_LAW:
+        log_alpha = tl.load(Eta + row, mask=g_mask, other=0.0)
+        beta = tl.load(Beta + row, mask=g_mask, other=0.0)
+        log2_eta = (log_alpha - beta * tl.load(LogSteps + b)) * 1.4426950408889634
+        at_least_one = log2_eta >= 0.0
+    else:
+        eta = tl.load(Eta + row, mask=g_mask, other=1.0)
+        log2_eta = tl.where(eta <= 0.0, float("-inf"), tl.math.log2(eta))  # log2 of eta < 0 is NaN
+        at_least_one = eta >= 1.0
+    return tl.where(at_least_one, float("inf"), m + log2_eta + tl.math.log2(l))
+
+
+@triton.jit
+def _thresholds(Mst, Lst, Ast, Eta, Beta, LogSteps, row, b, g_mask, NUM_SPLITS1, BLOCK_S1: tl.constexpr,
+                KEEP_ALL: tl.constexpr, POWER_LAW: tl.constexpr):
+    """Row max M, normaliser L, log2-domain threshold and argmax per head of the tile."""
     m, l, amax = _row_stats(Mst, Lst, Ast, row, g_mask, NUM_SPLITS1, BLOCK_S1)
     if KEEP_ALL:
         thr = tl.full(m.shape, float("-inf"), tl.float32)
     else:
-        # p > eta  <=>  s2 > M + log2(eta) + log2(L). eta <= 0 (log alpha = -inf: no fit) keeps
-        # every key; eta >= 1 keeps none but the maximum (p <= 1), whatever the rounding of
-        # log2(L); NaN keeps the maximum only, as p > NaN.
-        if POWER_LAW:
-            log_alpha = tl.load(Eta + row, mask=g_mask, other=0.0)
-            beta = tl.load(Beta + row, mask=g_mask, other=0.0)
-            log2_eta = (log_alpha - beta * tl.load(LogSteps + b)) * 1.4426950408889634
-            at_least_one = log2_eta >= 0.0
-        else:
-            eta = tl.load(Eta + row, mask=g_mask, other=1.0)
-            log2_eta = tl.where(eta <= 0.0, float("-inf"), tl.math.log2(eta))  # log2 of eta < 0 is NaN
-            at_least_one = eta >= 1.0
-        thr = tl.where(at_least_one, float("inf"), m + log2_eta + tl.math.log2(l))
+        thr = _eta_threshold(m, l, Eta, Beta, LogSteps, row, b, g_mask, POWER_LAW)
     return m, l, thr, amax
 
 
@@ -132,7 +138,7 @@ def _accumulate(acc, mass, s, idx, jm, thr, amax, m, g_mask, v_ptrs, vmask, DOT_
 
 @triton.jit
 def _filter_kernel(
-    V, Scores, Mst, Lst, Ast, Mas, Las, Eta, Beta, LogSteps, Gap, SeqLens, Starts, Idx, Wc, Part, Cnt, Mass, Sem,
+    V, Scores, Mst, Lst, Ast, Mas, Las, Eta, Beta, LogSteps, Gap, Floor, SeqLens, Starts, Idx, Wc, Part, Cnt, Mass, Sem,
     Arrive, Out, Kept,
     stride_vb, stride_vh, stride_vs, stride_vd, stride_ob, stride_oh, stride_od,
     S_MAX, NUM_SPLITS1, NUM_SPLITS2,
@@ -144,9 +150,13 @@ def _filter_kernel(
     KEEP_ALL: tl.constexpr, POWER_LAW: tl.constexpr, COMPACT: tl.constexpr, DENSE_PCT: tl.constexpr,
     STAGES_B: tl.constexpr, FUSED_COMBINE: tl.constexpr, RESET_SYNC: tl.constexpr, RENORMALIZE: tl.constexpr,
     WRITE_KEPT: tl.constexpr, PDL: tl.constexpr, EVICT: tl.constexpr, CHUNK: tl.constexpr,
-    ANCHORED: tl.constexpr,
+    ANCHORED: tl.constexpr, FLOOR: tl.constexpr,
 ):
     """Pass 2 over one split of one (batch, KV head).
+
+    FLOOR (the key-bound step, ``triton_keybound``): the threshold is at least ``Floor`` per
+    (batch, query head), the lower bound the unread keys were dropped by, so that none of their
+    estimated scores is kept whatever the rounding of the normaliser.
 
     ANCHORED (``Sift(normalizer="anchored")``; ``Eta`` holds log alpha): the threshold is
     the anchored normaliser's, from the scores pass's anchor statistics and the previous
@@ -196,6 +206,8 @@ def _filter_kernel(
     else:
         m, l, thr, amax = _thresholds(Mst, Lst, Ast, Eta, Beta, LogSteps, row, b, g_mask, NUM_SPLITS1, BLOCK_S1,
                                       KEEP_ALL, POWER_LAW)
+    if FLOOR:
+        thr = tl.maximum(thr, tl.load(Floor + row, mask=g_mask, other=float("-inf")))
     start, n_virt, base, stride, end = _split_span(begin, end_row, split, NUM_SPLITS2, BLOCK_N, CHUNK)
 
     v_base = V + b.to(tl.int64) * stride_vb + hkv.to(tl.int64) * stride_vh
@@ -367,12 +379,14 @@ def _combine_kernel(
 def filter_pass(
     geo: dict, ws: Workspace, v_cache, eta, seq_lens, starts, cfg: KernelConfig, out_dtype: torch.dtype,
     renormalize: bool, want_kept: bool, pdl: bool, anchors: tuple[torch.Tensor, int, int] | None = None,
+    floor: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Pass 2: threshold, compaction, V gather and (fused) the output; ``eta`` None keeps every key.
 
     ``eta``: [B, Hq] probabilities, or a ``PowerLawThreshold`` the kernel evaluates itself.
     ``anchors`` (gap, first, last): the anchored normaliser's threshold (``eta`` a
     ``PowerLawThreshold``); the gap [B, Hq] float32 is overwritten with this step's.
+    ``floor`` [B, Hq] float32: a least log2-domain threshold per head (the key-bound step's).
     """
     B, Hq, Hkv, S, D = geo["B"], geo["Hq"], geo["Hkv"], geo["S"], geo["D"]
     power_law = isinstance(eta, PowerLawThreshold)
@@ -389,7 +403,7 @@ def filter_pass(
     gap = anchors[0] if anchors is not None else ws.mst
     launch(_filter_kernel, (geo["ns2"], B * Hkv),
         v_cache, ws.scores, ws.mst, ws.lst, ws.ast, ws.mas, ws.las, eta_arg, beta_arg, log_steps_arg, gap,
-        seq_lens if has_sl else ws.ast, starts if has_st else ws.ast,
+        floor if floor is not None else ws.mst, seq_lens if has_sl else ws.ast, starts if has_st else ws.ast,
         ws.idx, ws.wc, ws.part, ws.cnt, ws.mass, ws.sem, ws.arrive,
         out, kept if kept is not None else ws.cnt,
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
@@ -402,7 +416,7 @@ def filter_pass(
         USE_DOT=geo["use_dot"], DOT_PREC=geo["prec"], DOT_UPCAST=geo["upcast"], KEEP_ALL=eta is None,
         POWER_LAW=power_law, COMPACT=compact, DENSE_PCT=cfg.dense_pct, STAGES_B=geo["STAGES_B"],
         FUSED_COMBINE=fused, RESET_SYNC=fused, RENORMALIZE=renormalize, WRITE_KEPT=want_kept,
-        PDL=pdl, EVICT=cfg.evict, CHUNK=geo["CHUNK2"], ANCHORED=anchors is not None,
+        PDL=pdl, EVICT=cfg.evict, CHUNK=geo["CHUNK2"], ANCHORED=anchors is not None, FLOOR=floor is not None,
         num_warps=cfg.warps2, num_stages=cfg.stages2, **geo["regs2"], **({"launch_pdl": True} if pdl else {}),
     )
     if not fused:

@@ -131,6 +131,9 @@ class KeyRange:
     #: S and log S per row when the caller keeps them already (the fast loop updates them once a step).
     step_count: torch.Tensor | None = None  # [B] int32
     log_step_count: torch.Tensor | None = None  # [B] float32
+    #: The layer's int8 key copy (``kernels.keybound.Int8Keys``) where the cache keeps one (the fast loop's, for
+    #: ``Sift(keybound=True)``); None elsewhere.
+    key_copy: Any = None
 
     def steps(self) -> torch.Tensor:
         """The generation step S of each row ([B] integers): the number of valid keys."""

@@ -12,6 +12,11 @@ previous step's gap between the exact log-sum-exp and the anchor sum. In probabi
 ``g_t = -log(sum of p_t over the anchors)``, a key is kept when
 ``p > eta * exp(g_{t-1} - g_t)``. The kept keys still get the exact normaliser.
 
+``keybound=True`` (beyond the paper) runs each sparse step as the key-bound step
+(``kernels.keybound``): an int8 copy of the keys, kept by the fast loop's cache, bounds every
+score, and only keys the bound cannot drop are read in full. It keeps the exact step's keys except
+those within a small epsilon of the threshold; elsewhere (no copy in the cache) the exact step runs.
+
 Calibration (beyond the paper; docs/design.md, "Calibration"): by default a decode fits each
 (sequence, layer, head) on the prompt's own exact rows, ``PromptCalibration.rows`` rows spaced
 geometrically in step over the whole prompt, so decoding is sparse from its first token;
@@ -155,10 +160,11 @@ class Sift(Method):
     recalibrate_decay: float = 0.9
     warmup_tolerance: float = 0.0
     warmup_min: int = 16
+    keybound: bool = False
     name = "sift"
     #: shown in ``spec()`` only where they differ from their defaults
     spec_optional: ClassVar[tuple[str, ...]] = ("normalizer", "anchor_first", "anchor_last", "recalibrate_every",
-                                                "recalibrate_decay", "warmup_tolerance", "warmup_min")
+                                                "recalibrate_decay", "warmup_tolerance", "warmup_min", "keybound")
     #: the prompt rows a decode calibrates on (``warmup_source="prompt"``)
     calibration: ClassVar[PromptCalibration] = PromptCalibration()
 
@@ -183,6 +189,9 @@ class Sift(Method):
         self.anchor_last = check_int("anchor_last", self.anchor_last, 0)
         if self.anchor_first + self.anchor_last == 0:
             raise ValueError("anchor_first + anchor_last must be at least 1")
+        self.keybound = check_bool("keybound", self.keybound)
+        if self.keybound and self.anchored:
+            raise ValueError("keybound=True needs normalizer='exact' (the key-bound step computes the exact normaliser's bounds)")
         # Host-side, set by each prompt: the decode step where the decode warmup ends (0: no decode warmup),
         # and whether the batch was calibrated on its prompts (only such fits recalibrate).
         self._warmup_end = 0 if self.warmup_source == "prefill" else self.warmup
@@ -361,6 +370,9 @@ class Sift(Method):
         if self.anchored:
             out, kept = kernels.sparse_anchored(query, k_cache, v_cache, threshold, state.gap,
                                                 keys.seq_lens, keys.starts, *self.anchors)
+        elif self.keybound and keys.key_copy is not None:
+            out, kept = kernels.sparse_keybound(query, k_cache, v_cache, keys.key_copy, self.power_law(state, keys),
+                                                keys.seq_lens, keys.starts)
         else:
             out, kept = kernels.sparse(query, k_cache, v_cache, threshold, keys.seq_lens, keys.starts)
         if phase == "recalibrate":

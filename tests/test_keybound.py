@@ -1,0 +1,384 @@
+"""The key-bound sift step (kernels/keybound.py): the int8 bound is sound, and the step keeps the
+float64 rule's keys (except keys within its epsilon of the threshold) with the exact step's output.
+
+The Triton kernels run under Triton's CPU interpreter in a subprocess (this file as a script),
+so the interpreter setting never leaks into this process."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import zlib
+
+import pytest
+import torch
+from conftest import run_interpreted_parts
+from test_kernels import range_case
+
+from siftattention.kernels.keybound import (MAX_HEAD_DIM, keybound_bytes, keybound_step_torch, quantize_keys,
+                                            score_bounds)
+
+
+def seed(*key) -> int:
+    return zlib.crc32(repr(key).encode())
+
+
+def extreme_keys(kind: str, B: int, Hkv: int, S: int, D: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """Key caches that stress the per-row scale: random, one huge channel, zero rows, the dtype's limits."""
+    k = torch.randn(B, Hkv, S, D, generator=gen)
+    big = torch.finfo(dtype).max
+    if kind == "huge_channel":
+        k[..., 3] = torch.sign(k[..., 3]) * min(big, 3e4)
+    elif kind == "zeros":
+        k[:, :, ::3] = 0.0
+    elif kind == "limits":
+        k = torch.sign(k) * 65504.0  # every channel at float16's largest finite value
+        k[:, :, 1::2] *= torch.rand(B, Hkv, (S + 0) // 2, D, generator=gen) if S > 1 else 1
+    elif kind == "tiny":
+        k = k * torch.finfo(dtype).tiny * 4  # near the normal / subnormal edge of the dtype
+    elif kind == "mixed":
+        k = k * torch.exp(torch.randn(B, Hkv, S, 1, generator=gen) * 3)  # rows of very different size
+    return k.clamp(-big, big).to(dtype)
+
+
+def scores64(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+    B, Hq, D = q.shape
+    Hkv = k.shape[1]
+    s = torch.matmul(q.double().reshape(B, Hkv, Hq // Hkv, D), k.double().transpose(-1, -2))
+    return s.reshape(B, Hq, -1) * scale
+
+
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_bound_is_sound_on_fuzzed_keys(D, dtype):
+    """s_hat - e <= s <= s_hat + e (float64 s of the stored key) on every key of every kind, GQA 1-8."""
+    assert D <= MAX_HEAD_DIM
+    worst = 0.0
+    for (Hq, Hkv), kind in zip([(4, 4), (4, 2), (8, 2), (6, 1), (8, 1)] * 2,
+                               ["random", "huge_channel", "zeros", "limits", "tiny", "mixed"] * 2):
+        gen = torch.Generator().manual_seed(seed(D, str(dtype), Hq, Hkv, kind))
+        S = 37
+        k = extreme_keys(kind, 2, Hkv, S, D, dtype, gen)
+        for q_size in (1.0, 300.0):
+            q = (torch.randn(2, Hq, D, generator=gen) * q_size).to(dtype)
+            if kind == "limits" and dtype == torch.float16:
+                q = q.clamp(-1, 1)  # q . k stays finite in float32
+            scale = D**-0.5
+            s_hat, e = score_bounds(q, quantize_keys(k), scale)
+            s = scores64(q, k, scale)
+            assert bool(torch.isfinite(s_hat).all() and torch.isfinite(e).all()), kind
+            lo, hi = s_hat.double() - e.double(), s_hat.double() + e.double()
+            assert bool((lo <= s).all() and (s <= hi).all()), (kind, float((s - hi).max()), float((lo - s).max()))
+            # And not loose: the slack used is at most the bound, which is 1/254 of the largest |s_hat| possible.
+            used = ((s - s_hat.double()).abs() / e.double().clamp_min(1e-300)).max()
+            worst = max(worst, float(used))
+    assert worst < 1.0
+
+
+def test_quantize_keys_edges():
+    k = torch.zeros(1, 1, 3, 8, dtype=torch.float16)
+    k[0, 0, 1, 2] = 65504.0
+    k[0, 0, 2] = -torch.finfo(torch.float16).tiny
+    kq = quantize_keys(k)
+    assert kq.values.dtype == torch.int8 and kq.scales.dtype == torch.float32
+    assert int(kq.values[0, 0, 1, 2]) == 127 and int(kq.values.abs().max()) <= 127
+    assert bool((kq.scales >= 2.0**-126).all())  # zero rows keep a normal scale
+    assert bool((kq.values[0, 0, 0] == 0).all())
+    assert kq.nbytes() == 3 * 8 + 3 * 4
+
+
+# ----------------------------------------------------------------------------- the step against float64
+
+
+def planted_eta(s64: torch.Tensor, valid: torch.Tensor, gen: torch.Generator, width: float = 0.5) -> torch.Tensor:
+    """Per head: eta between two sorted probabilities at a random rank whose log-gap is at least ``width``
+    (else the widest), so a threshold off by less than half of it decides every key as the float64 rule."""
+    B, Hq, _ = s64.shape
+    eta = torch.zeros(B, Hq)
+    for b in range(B):
+        for h in range(Hq):
+            s = s64[b, h][valid[b]]
+            if s.numel() < 2:
+                eta[b, h] = 0.5
+                continue
+            srt = torch.sort(s).values
+            gaps = srt[1:] - srt[:-1]
+            ok = (gaps >= width).nonzero()[:, 0]
+            r = int(ok[torch.randint(0, ok.numel(), (1,), generator=gen)]) if ok.numel() else int(gaps.argmax())
+            mid = (srt[r] + srt[r + 1]) / 2
+            eta[b, h] = float(torch.exp(mid - torch.logsumexp(s, 0)))
+    return eta
+
+
+def ref_keep64(s64: torch.Tensor, valid: torch.Tensor, eta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float64 rule: T = logsumexp + log(eta) (edges as the kernels), kept = s > T or the first maximum."""
+    s = s64.masked_fill(~valid[:, None, :], float("-inf"))
+    e = eta.double()
+    log_eta = torch.where(e <= 0, float("-inf"), torch.log(e.clamp_min(1e-300)))
+    log_eta = torch.where((e >= 1) | torch.isnan(e), float("inf"), log_eta)
+    t = torch.logsumexp(s, -1) + log_eta
+    t = torch.where(torch.isinf(log_eta), log_eta, t)
+    keep = s > t[..., None]
+    keep.scatter_(-1, s.argmax(-1, keepdim=True), True)
+    return keep & valid[:, None, :], t
+
+
+def out64(s64, valid, keep, v, renormalize):
+    B, Hq, S = s64.shape
+    Hkv, D = v.shape[1], v.shape[3]
+    s = s64.masked_fill(~valid[:, None, :], float("-inf"))
+    p = torch.softmax(s, -1).nan_to_num(0.0)
+    w = torch.where(keep, p, 0.0)
+    if renormalize:
+        w = w / w.sum(-1, keepdim=True).clamp_min(1e-300)
+    return torch.matmul(w.reshape(B, Hkv, Hq // Hkv, S), v.double()).reshape(B, Hq, D)
+
+
+def valid_of(B, S, seq_lens, starts):
+    pos = torch.arange(S)[None, :]
+    return (pos < seq_lens[:, None]) & (pos >= starts[:, None])
+
+
+def check_step(q, k, v, eta, sl, st, renorm, out, kept, eps, tol) -> dict:
+    """Kept counts against float64 outside epsilon, and the output against the exact step's."""
+    B, Hq, D = q.shape
+    S = k.shape[2]
+    scale = D**-0.5
+    valid = valid_of(B, S, sl, st)
+    s64 = scores64(q, k, scale)
+    keep, t = ref_keep64(s64, valid, eta)
+    ref_kept = keep.sum(-1).int()
+    near = (s64 - t[..., None]).abs() <= eps.double()[..., None] + 1e-4  # keys the epsilon may decide otherwise
+    near &= valid[:, None, :]
+    slack = near.sum(-1).int()
+    kept_ok = bool(((kept - ref_kept).abs() <= slack).all())
+    exact_rows = (kept == ref_kept) & (slack == 0)
+    ref = out64(s64, valid, keep, v, renorm)
+    scale_err = 0.0 if renorm else float(torch.expm1(eps.double()).max())
+    err = float(((out.double() - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-30))[exact_rows].max()) \
+        if bool(exact_rows.any()) else 0.0
+    return dict(kept_ok=kept_ok, kept_equal=bool(torch.equal(kept, ref_kept)), err=err, err_bound=scale_err + tol,
+                max_eps=float(eps.max()))
+
+
+STEP_CASES = [  # B, Hq, Hkv, S, D
+    (3, 4, 4, 37, 64),
+    (2, 8, 2, 101, 128),
+    (2, 12, 2, 67, 64),
+    (1, 8, 1, 129, 256),
+    (2, 6, 1, 53, 64),
+]
+
+
+@pytest.mark.parametrize("B,Hq,Hkv,S,D", STEP_CASES)
+@pytest.mark.parametrize("renorm", [False, True])
+def test_torch_step_matches_float64(B, Hq, Hkv, S, D, renorm):
+    gen = torch.Generator().manual_seed(seed(B, Hq, Hkv, S, D, renorm))
+    for dtype in (torch.float32, torch.float16):
+        q, k, v, sl, st = range_case(B, Hq, Hkv, S, D, dtype, gen)
+        valid = valid_of(B, S, sl, st)
+        eta = planted_eta(scores64(q, k, D**-0.5), valid, gen)
+        eta[0, 1 % Hq] = 0.0  # keep every key
+        eta[-1, -1] = 1.0  # the maximum only
+        r = keybound_step_torch(q, k, v, quantize_keys(k), eta, D**-0.5, sl, renorm, st)
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        res = check_step(q, k, v, eta, sl, st, renorm, r["out"], r["kept"], r["epsilon"], tol)
+        assert res["kept_ok"] and res["err"] <= res["err_bound"], res
+        # The thresholds are planted in log-gaps of 0.5: kept sets are exact wherever epsilon < 0.25.
+        if res["max_eps"] < 0.25:
+            assert res["kept_equal"], res
+        # Fewer key rows read than there are valid keys, none outside the valid range.
+        cand = r["candidates"]
+        assert bool((cand & ~valid[:, None, :]).sum() == 0)
+
+
+def test_epsilon_is_small_and_candidates_few_on_peaky_rows():
+    """At a typical sift threshold (~12% kept) most keys are never read in full and epsilon stays small."""
+    gen = torch.Generator().manual_seed(5)
+    B, Hq, Hkv, S, D = 2, 8, 2, 2048, 128
+    q = (torch.randn(B, Hq, D, generator=gen) * 2.0).to(torch.float16)
+    k = torch.randn(B, Hkv, S, D, generator=gen).to(torch.float16)
+    v = torch.randn(B, Hkv, S, D, generator=gen).to(torch.float16)
+    s64 = scores64(q, k, D**-0.5)
+    p = torch.softmax(s64, -1)
+    eta = torch.quantile(p, 0.875, dim=-1).float()
+    r = keybound_step_torch(q, k, v, quantize_keys(k), eta, D**-0.5, None, False)
+    frac = float(r["candidates"].double().mean())
+    assert frac < 0.6, frac
+    assert float(r["epsilon"].max()) < 0.05, r["epsilon"]
+    res = check_step(q, k, v, eta, torch.full((B,), S), torch.zeros(B, dtype=torch.int32), False, r["out"], r["kept"],
+                     r["epsilon"], 1e-2)
+    assert res["kept_ok"] and res["err"] <= res["err_bound"], res
+
+
+def test_keybound_bytes():
+    b = keybound_bytes(2, 4, 1000, 128, 2, candidate_rows=800, v_rows=400)
+    assert b["scan"] == 2 * 4 * 1000 * 132 and b["candidate_k"] == 800 * 256 and b["kept_v"] == 400 * 256
+    assert b["dense"] == 2 * 2 * 4 * 1000 * 256 and math.isclose(b["vs_dense"], b["total"] / b["dense"])
+
+
+# ----------------------------------------------------------------------------- Triton, under the interpreter
+
+TRITON_CASES = [  # B, Hq, Hkv, S, D, dtype, power law: GQA 1, 2, 4, 6; odd lengths
+    (2, 4, 4, 37, 64, "float32", False),
+    (2, 8, 2, 53, 64, "float16", True),
+    (2, 6, 1, 29, 64, "bfloat16", False),
+    (1, 8, 2, 45, 128, "float16", False),
+]
+
+
+def _triton_case(i: int) -> list[dict]:
+    """The planned key-bound step on TRITON_CASES[i] against float64 and the torch reference."""
+    from test_kernels import SMALL, power_law_for, workspace_at_rest
+
+    from siftattention.kernels import DecodeKernels
+    from siftattention.kernels.plan import PowerLawThreshold
+    from siftattention.kernels.triton_decode import KernelConfig
+
+    B, Hq, Hkv, S, D, dt, law = TRITON_CASES[i]
+    dtype = getattr(torch, dt)
+    gen = torch.Generator().manual_seed(seed("triton", i))
+    q, k, v, sl, st = range_case(B, Hq, Hkv, S, D, dtype, gen)
+    eta = planted_eta(scores64(q, k, D**-0.5), valid_of(B, S, sl, st), gen)
+    eta[0, 1] = 0.0  # every key
+    eta[-1, -1] = 1.0  # the maximum only
+    if i == 2:
+        eta[0, 2] = float("nan")  # the maximum only
+    keys = quantize_keys(k)
+    rows = []
+    for renorm in (False, True):
+        kern = DecodeKernels.plan(batch=B, q_heads=Hq, kv_heads=Hkv, max_len=S, head_dim=D, dtype=dtype, device="cpu",
+                                  scale=D**-0.5, renormalize=renorm, backend="triton", config=KernelConfig(**SMALL))
+        arg = power_law_for(eta, sl, st, gen) if law else eta
+        eta_used = arg.eta() if law else eta
+        out, kept = kern.sparse_keybound(q, k, v, keys, arg if not law else PowerLawThreshold(*arg), sl, st)
+        r = keybound_step_torch(q, k, v, keys, eta_used, D**-0.5, sl, renorm, st)
+        res = check_step(q, k, v, eta_used, sl, st, renorm, out, kept, r["epsilon"], 1e-5 if dt == "float32" else 1e-2)
+        res.update(case=i, renorm=renorm, kept_equal_torch=bool(torch.equal(kept, r["kept"])),
+                   cand=kern.keybound_candidates().tolist(), cand_torch=r["candidates"].sum(-1).tolist(),
+                   at_rest=workspace_at_rest(kern.workspace), out_dtype=str(out.dtype).removeprefix("torch."), dtype=dt)
+        rows.append(res)
+    return rows
+
+
+def _triton_worker(part: str) -> dict:
+    return {"rows": [r for i in map(int, part.split(",")) for r in _triton_case(i)]}
+
+
+@pytest.fixture(scope="module")
+def triton_rows():
+    pytest.importorskip("triton")
+    parts = run_interpreted_parts(__file__, "--triton-worker", ["0,2", "1,3"])
+    return [r for p in parts for r in p["rows"]]
+
+
+def test_triton_step_matches_float64(triton_rows):
+    assert len(triton_rows) == 2 * len(TRITON_CASES)
+    for r in triton_rows:
+        assert r["kept_ok"] and r["err"] <= r["err_bound"], r
+        assert r["kept_equal_torch"] and r["at_rest"] and r["out_dtype"] == r["dtype"], r
+        # Candidates decided on float32 bounds computed in another order: equal on these rows.
+        assert r["cand"] == r["cand_torch"], r
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@needs_cuda
+def test_cuda_keybound_matches_float64_and_captures():
+    """The planned key-bound step on the GPU with the device's own launch plan, eager and replayed from a CUDA graph."""
+    from siftattention.kernels import DecodeKernels
+
+    dev = torch.device("cuda")
+    for B, Hq, Hkv, S, D, dt in [(2, 32, 8, 4099, 128, torch.float16), (3, 9, 3, 2051, 64, torch.bfloat16),
+                                 (1, 12, 2, 8193, 128, torch.bfloat16), (2, 4, 1, 1031, 256, torch.float32)]:
+        gen = torch.Generator().manual_seed(seed("cuda", B, Hq, S))
+        q, k, v, sl, st = range_case(B, Hq, Hkv, S, D, dt, gen)
+        eta = planted_eta(scores64(q, k, D**-0.5), valid_of(B, S, sl, st), gen)
+        keys = quantize_keys(k)
+        kern = DecodeKernels.plan(batch=B, q_heads=Hq, kv_heads=Hkv, max_len=S, head_dim=D, dtype=dt, device=dev,
+                                  scale=D**-0.5)
+        args = [x.to(dev) for x in (q, k, v)] + [type(keys)(*(x.to(dev) for x in keys)), eta.to(dev), sl.to(dev),
+                                                  st.to(dev)]
+        out, kept = kern.sparse_keybound(*args)
+        r = keybound_step_torch(q, k, v, keys, eta, D**-0.5, sl, False, st)
+        res = check_step(q, k, v, eta, sl, st, False, out.cpu(), kept.cpu(), r["epsilon"],
+                         1e-5 if dt == torch.float32 else 1e-2)
+        assert res["kept_ok"] and res["err"] <= res["err_bound"], res
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            kern.sparse_keybound(*args)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=side):
+            g_out, g_kept = kern.sparse_keybound(*args)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(g_kept, kept) and torch.equal(g_out, out)
+        assert int(kern.workspace.sync.abs().sum()) == 0
+
+
+
+# ----------------------------------------------------------------------------- the fast loop's cache and Sift
+
+
+def test_fixed_cache_keeps_the_int8_copy():
+    """After a prompt and one-token writes at device positions, the copy is a fresh quantisation of the keys."""
+    from conftest import tiny_llama
+
+    from siftattention.generation.cache import FixedCache
+
+    cache = FixedCache(tiny_llama().config, 12, int8_keys=True)
+    layer = cache.layers[0]
+    gen = torch.Generator().manual_seed(3)
+    prompt = torch.randn(2, 2, 7, 16, generator=gen)
+    prompt[1, :, :3] = 0.0  # a left-padded row's positions
+    layer.update(prompt, prompt)
+    assert layer.key_copy.values.shape == (2, 2, 12, 16)
+    cache.position.tensor = torch.tensor([7])
+    for _ in range(3):
+        k = torch.randn(2, 2, 1, 16, generator=gen) * 5
+        layer.update(k, k)
+        cache.position.tensor += 1
+    fresh = quantize_keys(layer.keys[:, :, :10])
+    assert torch.equal(layer.key_copy.values[:, :, :10], fresh.values)
+    assert torch.equal(layer.key_copy.scales[:, :, :10], fresh.scales)
+    assert cache.key_copy_bytes() == 2 * 2 * 12 * (16 + 4)
+    assert FixedCache(tiny_llama().config, 12).key_copy(0) is None
+
+
+def test_sift_keybound_generates_through_the_fast_loop(monkeypatch):
+    """Sift(keybound=True) decodes left-padded rows with the key-bound step over the loop's int8 copy, which
+    equals a fresh quantisation of every written key; its tokens are the exact step's."""
+    from conftest import tiny_llama
+    from test_generation import _left_padded_batch, _model
+
+    from siftattention import Sift
+    from siftattention.generation import generate, loop
+    from siftattention.kernels import DecodeKernels
+
+    model = _model(tiny_llama)
+    ids, mask = _left_padded_batch()
+    caches, calls = [], []
+    real_cache, real_step = loop.FixedCache, DecodeKernels.sparse_keybound
+    monkeypatch.setattr(loop, "FixedCache", lambda *a, **kw: caches.append(real_cache(*a, **kw)) or caches[-1])
+    monkeypatch.setattr(DecodeKernels, "sparse_keybound", lambda self, *a: calls.append(1) or real_step(self, *a))
+    kw = dict(max_new_tokens=10, eos_token_id=-1, pad_token_id=0)
+    method = dict(tau=0.5, warmup=4, warmup_source="decode")
+    res = generate(model, ids, mask, Sift(keybound=True, **method), **kw)
+    exact = generate(model, ids, mask, Sift(**method), **kw)
+    assert calls and res.fast and torch.equal(res.sequences, exact.sequences)
+    assert res.timings["key_copy_bytes"] == caches[0].key_copy_bytes() > 0 and "key_copy_bytes" not in exact.timings
+    written = 13 + 9  # the prompt, then every decode step's token
+    for layer in caches[0].layers:
+        fresh = quantize_keys(layer.keys[:, :, :written])
+        assert torch.equal(layer.key_copy.values[:, :, :written], fresh.values)
+        assert torch.equal(layer.key_copy.scales[:, :, :written], fresh.scales)
+    with pytest.raises(ValueError, match="keybound=True needs normalizer='exact'"):
+        Sift(keybound=True, normalizer="anchored")
+
+
+if __name__ == "__main__" and "--triton-worker" in sys.argv:
+    print(json.dumps(_triton_worker(sys.argv[sys.argv.index("--triton-worker") + 1])))
