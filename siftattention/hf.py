@@ -367,7 +367,8 @@ class SiftHandle:
                 prompt_steps = valid[:, 0, -1].sum(-1)
                 if self.prompt_len is not None:  # the prompt's later chunks are real tokens (padding is on the left)
                     prompt_steps = prompt_steps + max(0, self.prompt_len - fed - Q)
-                self.method.observe_prompt(PromptChunk(query, key, valid, prompt_steps, scaling, bias, softcap), state)
+                final = self.prompt_len is None or fed + Q >= self.prompt_len
+                self.method.observe_prompt(PromptChunk(query, key, valid, prompt_steps, scaling, bias, softcap, final), state)
             self.method.finish_prefill(state)
         elif decoding:
             self._decoded[layer] += 1

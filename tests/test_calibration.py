@@ -106,9 +106,11 @@ def test_sampled_prompt_rows_get_the_exact_quantile_of_their_causal_softmax():
 
 
 @pytest.mark.parametrize("layout", ["window", "holes"])
-def test_prompt_row_quantiles_follow_any_valid_mask(layout):
-    """PromptChunk.quantiles equals masked_quantile of the rows' float64 softmax both where the decode
-    kernel measures it (each row's keys one range: a sliding window) and where it cannot (a mask with holes)."""
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_sampled_rows_get_their_quantile_under_any_valid_mask(layout, chunks):
+    """observe_prompt's thetas equal masked_quantile of each sampled row's float64 softmax, prefilled whole or in
+    chunks, both where the decode kernel measures them at the prompt's end (each row's keys one range: a sliding
+    window) and where it cannot (a mask with holes)."""
     g = torch.Generator().manual_seed(5)
     Hq, Hkv, P, D = 6, 2, 77, 16
     q, k = torch.randn(1, Hq, P, D, generator=g), torch.randn(1, Hkv, P, D, generator=g)
@@ -119,12 +121,22 @@ def test_prompt_row_quantiles_follow_any_valid_mask(layout):
         valid[:, 3::7] = False
         valid |= torch.eye(P, dtype=torch.bool)
     valid = valid[None, None]
-    rows = torch.tensor([9, 30, 52, 76])
-    theta = PromptChunk(q, k, valid, torch.tensor([P]), 0.25).quantiles(0, rows, 0.9)
+    method = Sift(tau=0.9)
+    state = method.new_state(1, Hq, q.device)
+    bounds = torch.linspace(0, P, chunks + 1).long().tolist()
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        # As the attention glue says: a sliding layer's prompt ends at its window's number of keys.
+        method.observe_prompt(PromptChunk(q[:, :, a:b], k[:, :, :b], valid[:, :, a:b, :b], valid[:, 0, -1].sum(-1), 0.25,
+                                          final=b == P), state)
+        method.finish_prefill(state)
+    targets = state.prompt_targets[0]
+    steps = valid[0, 0].sum(-1)
+    rows = torch.stack([(steps == t).nonzero()[0, 0] for t in targets[targets > 0]])  # the first row at each step
+    assert bool(state.prompt_recorded[0][targets > 0].all()) and not bool(state.prompt_pending.any())
     scores = (q.double()[0, :, rows] @ k.double()[0].repeat_interleave(3, 0).transpose(1, 2)) * 0.25
     probs = torch.softmax(scores.masked_fill(~valid[0, :, rows], float("-inf")), -1)
     expected = masked_quantile(probs, valid[0, :, rows].expand_as(probs), 0.9)
-    torch.testing.assert_close(theta.double(), expected, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(state.prompt_thetas[0][:, targets > 0].double(), expected, rtol=1e-5, atol=1e-7)
 
 
 def _padded_prompts(lengths, seed=0):

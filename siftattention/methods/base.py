@@ -59,6 +59,7 @@ class PromptChunk:
     valid: [B, 1, Q, K] bool, the causally valid keys of each query row.
     prompt_steps: [B] int64, each sequence's whole prompt length in real tokens (its last prompt
              row's step), known before the prompt's last chunk is.
+    final: the prompt's last chunk (``key`` holds every prompt key).
     The attention of the chunk itself is computed exactly elsewhere (SDPA); ``probs`` scores only
     the rows a method asks for.
     """
@@ -70,6 +71,7 @@ class PromptChunk:
     scaling: float
     bias: torch.Tensor | None = None
     softcap: float | None = None
+    final: bool = True
 
     @property
     def steps(self) -> torch.Tensor:
@@ -93,30 +95,6 @@ class PromptChunk:
         valid = self.valid[batch, :, rows]
         scores = scores.masked_fill(~valid, float("-inf"))
         return torch.softmax(scores, dim=-1).nan_to_num(0.0), valid
-
-
-    def quantiles(self, batch: int, rows: torch.Tensor, tau: float) -> torch.Tensor:
-        """The tau-quantile [Hq, n] of the probabilities of rows ``rows`` ([n] int64) of sequence ``batch``
-        (``powerlaw.masked_quantile``'s rule). Where the decode kernels run (CUDA, float32 on the CPU) and
-        each row's valid keys are one range, their exact warmup step measures it, the rows as a batch over
-        one cache, without forming or sorting the probabilities; elsewhere from ``probs``."""
-        from ..kernels.decode import sift_warmup_decode
-        from ..kernels.plan import resolve_backend
-        from ..powerlaw import masked_quantile
-
-        if self.bias is None and self.softcap is None and resolve_backend("auto", self.query.device, self.query.dtype) != "torch":
-            valid = self.valid[batch, 0, rows]  # [n, K]
-            starts = valid.int().argmax(-1)
-            ends = valid.shape[-1] - valid.flip(-1).int().argmax(-1)
-            if bool((ends - starts == valid.sum(-1)).all()):
-                q = self.query[batch, :, rows].transpose(0, 1).contiguous()  # [n, Hq, D]
-                # Every row reads the one cache (a stride-0 batch); the keys stand in for the values, whose
-                # output is not used.
-                k = self.key[batch:batch + 1].expand(rows.numel(), -1, -1, -1)
-                _, theta = sift_warmup_decode(q, k, k, tau, scale=self.scaling, seq_lens=ends, starts=starts)
-                return theta.t()
-        probs, valid = self.probs(batch, rows)
-        return masked_quantile(probs, valid.expand_as(probs), tau)
 
 
 @dataclass

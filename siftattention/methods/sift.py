@@ -32,7 +32,7 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
-from ..kernels.plan import PowerLawThreshold
+from ..kernels.plan import DecodeKernels, PowerLawThreshold, resolve_backend
 from ..kernels.torch_ref import anchor_mask
 from ..powerlaw import PowerLawFit, PowerLawSums, fit_power_law, masked_quantile, predict_log
 from .base import (DecodeOutput, KeyRange, Method, PromptChunk, Rows, Selection, check_bool, check_fraction, check_int,
@@ -61,6 +61,9 @@ class SiftState:
     prompt_thetas: torch.Tensor  # [B, H, n] quantiles of the sampled prompt rows
     prompt_targets: torch.Tensor  # [B, n] int64 the sampled steps (-1: a repeated step, not a point)
     prompt_recorded: torch.Tensor  # [B, n] bool, sampled rows measured so far
+    prompt_queries: torch.Tensor  # [B, H, n, D] the sampled rows' queries, measured once the prompt's keys are all in
+    prompt_ranges: torch.Tensor  # [B, n, 2] int32 each sampled row's valid keys [start, end)
+    prompt_pending: torch.Tensor  # [B, n] bool, sampled rows whose queries wait for the prompt's last chunk
     calibrated: torch.Tensor  # [B] bool, the batch's prompts are long enough to calibrate on
     sparse_steps: torch.Tensor  # [B] int64 approximated steps so far (``select``'s recalibration count)
     warmup_fit: torch.Tensor  # [B, H, 2] float64 the decode warmup's fit so far, log alpha and beta (adaptive warmup)
@@ -196,6 +199,7 @@ class Sift(Method):
         # and whether the batch was calibrated on its prompts (only such fits recalibrate).
         self._warmup_end = 0 if self.warmup_source == "prefill" else self.warmup
         self._recalibrating = False
+        self._prompt_plan: tuple[tuple, DecodeKernels] | None = None
 
     def reorder_state(self, state: SiftState, index: torch.Tensor) -> SiftState:
         return select_sequences(state, index)  # every field has one row per sequence
@@ -221,6 +225,9 @@ class Sift(Method):
             prompt_thetas=torch.zeros(batch, heads, rows, **f32),
             prompt_targets=torch.full((batch, rows), -1, dtype=torch.long, device=device),
             prompt_recorded=torch.zeros(batch, rows, **flag),
+            prompt_queries=torch.zeros(batch, heads, rows, 0, **f32),  # sized by the first prompt chunk
+            prompt_ranges=torch.zeros(batch, rows, 2, dtype=torch.int32, device=device),
+            prompt_pending=torch.zeros(batch, rows, **flag),
             calibrated=torch.zeros(batch, **flag),
             sparse_steps=torch.zeros(batch, dtype=torch.long, device=device),
             warmup_fit=torch.full((batch, heads, 2), float("nan"), dtype=torch.float64, device=device),
@@ -460,24 +467,84 @@ class Sift(Method):
         self._recalibrating = bool(state.calibrated.all())
         self._warmup_end = 0 if self._recalibrating else self.warmup
         state.prompt_targets.copy_(calibration.targets(chunk.prompt_steps))
-        # [B, Q, n]: which sampled step each row is (a step is sampled at most once per sequence)
+        # [B, Q, n]: which sampled step each row is. A sliding window's rows share its step once it is full: the
+        # first row with the step is the sample.
         hits = chunk.steps[:, :, None] == state.prompt_targets[:, None, :]
+        hits &= ~(state.prompt_recorded | state.prompt_pending)[:, None, :]
+        hits &= hits.cumsum(1) == 1
         b_idx, r_idx, slot = hits.nonzero(as_tuple=True)
-        # Rows at a time so the float32 scores of a long prompt stay within PROMPT_CHUNK_ELEMENTS.
-        heads, keys = chunk.query.shape[1], chunk.key.shape[2]
-        per_call = max(1, PROMPT_CHUNK_ELEMENTS // max(1, heads * keys))
-        for b in b_idx.unique().tolist():
-            mine = b_idx == b
-            rows, slots = r_idx[mine], slot[mine]
-            for a in range(0, rows.numel(), per_call):
-                theta = chunk.quantiles(b, rows[a:a + per_call], self.tau)  # [H, n]
-                state.prompt_thetas[b, :, slots[a:a + per_call]] = theta
-                state.prompt_recorded[b, slots[a:a + per_call]] = True
+        if not self._defer_rows(chunk, state, b_idx, r_idx, slot):
+            # Rows at a time so the float32 scores of a long prompt stay within PROMPT_CHUNK_ELEMENTS.
+            heads, keys = chunk.query.shape[1], chunk.key.shape[2]
+            per_call = max(1, PROMPT_CHUNK_ELEMENTS // max(1, heads * keys))
+            for b in b_idx.unique().tolist():
+                mine = b_idx == b
+                rows, slots = r_idx[mine], slot[mine]
+                for a in range(0, rows.numel(), per_call):
+                    probs, valid = chunk.probs(b, rows[a:a + per_call])
+                    theta = masked_quantile(probs, valid.expand_as(probs), self.tau)  # [H, n]
+                    state.prompt_thetas[b, :, slots[a:a + per_call]] = theta
+                    state.prompt_recorded[b, slots[a:a + per_call]] = True
+        if chunk.final:
+            self._measure_deferred_rows(chunk, state)
         if self.anchored:  # the first decoded token filters with the last prompt row's gap, as after a warmup
             for b, r in (chunk.steps == chunk.prompt_steps[:, None]).nonzero().tolist():
                 probs, valid = chunk.probs(b, torch.tensor([r], device=chunk.query.device))
                 anchors = anchor_mask(valid, self.anchor_first, self.anchor_last)
                 state.gap[b] = -torch.log((probs * anchors).sum(-1))[:, 0]
+
+    def _defer_rows(self, chunk: PromptChunk, state: SiftState, b_idx: torch.Tensor, r_idx: torch.Tensor,
+                    slot: torch.Tensor) -> bool:
+        """Keep the chunk's sampled rows (queries and key ranges) for one measurement by the decode kernels at the
+        prompt's end, where they run (CUDA, float32 on the CPU) and each row's valid keys are one range; False
+        where they cannot measure these rows."""
+        if chunk.bias is not None or chunk.softcap is not None:
+            return False
+        if resolve_backend("auto", chunk.query.device, chunk.query.dtype) == "torch":
+            return False
+        valid = chunk.valid[b_idx, 0, r_idx]  # [n, K]
+        starts = valid.int().argmax(-1)
+        ends = valid.shape[-1] - valid.flip(-1).int().argmax(-1)
+        if not bool((ends - starts == valid.sum(-1)).all()):
+            return False
+        B, H, n = state.prompt_thetas.shape
+        if state.prompt_queries.shape[-1] != chunk.query.shape[-1] or state.prompt_queries.dtype != chunk.query.dtype:
+            state.prompt_queries = chunk.query.new_zeros(B, H, n, chunk.query.shape[-1])
+        state.prompt_queries[b_idx, :, slot] = chunk.query[b_idx, :, r_idx]
+        state.prompt_ranges[b_idx, slot] = torch.stack([starts, ends], -1).int()
+        state.prompt_pending[b_idx, slot] = True
+        return True
+
+    def _measure_deferred_rows(self, chunk: PromptChunk, state: SiftState) -> None:
+        """The exact tau-quantiles of the deferred rows: per sequence, its rows as a batch of decode queries
+        over its one cache (a stride-0 batch), through a kernel plan made once per shape. Rows not pending have
+        an empty key range (theta 0) and keep what they had."""
+        if not bool(state.prompt_pending.any()):
+            return
+        B, H, n = state.prompt_thetas.shape
+        key = chunk.key
+        kernels = self._prompt_kernels(n, H, key.shape[1], key.shape[2], key.shape[3], key.dtype, key.device, chunk.scaling)
+        ranges = torch.where(state.prompt_pending[..., None], state.prompt_ranges, 0)
+        starts, ends = ranges.unbind(-1)
+        for b in range(B):
+            queries = state.prompt_queries[b].transpose(0, 1).contiguous()  # [n, H, D]
+            cache = key[b:b + 1].expand(n, -1, -1, -1)
+            # The keys stand in for the values: the step's output is not used.
+            _, theta = kernels.warmup(queries, cache, cache, self.tau, ends[b].contiguous(), starts[b].contiguous())
+            pending = state.prompt_pending[b]
+            state.prompt_thetas[b] = torch.where(pending[None, :], theta.t(), state.prompt_thetas[b])
+        state.prompt_recorded |= state.prompt_pending
+        state.prompt_pending.zero_()
+
+    def _prompt_kernels(self, rows: int, heads: int, kv_heads: int, keys: int, head_dim: int, dtype: torch.dtype,
+                        device: torch.device, scale: float) -> DecodeKernels:
+        """A decode plan for ``rows`` prompt rows over ``keys`` keys, kept for the next prompt of that shape."""
+        shape = (rows, heads, kv_heads, keys, head_dim, dtype, str(device), scale)
+        if self._prompt_plan is None or self._prompt_plan[0] != shape:
+            plan = DecodeKernels.plan(batch=rows, q_heads=heads, kv_heads=kv_heads, max_len=keys, head_dim=head_dim,
+                                      dtype=dtype, device=device, scale=scale)
+            self._prompt_plan = (shape, plan)
+        return self._prompt_plan[1]
 
     def finish_prefill(self, state: SiftState) -> None:
         if self.warmup_source == "decode":
