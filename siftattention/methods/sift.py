@@ -469,9 +469,11 @@ class Sift(Method):
         state.prompt_targets.copy_(calibration.targets(chunk.prompt_steps))
         # [B, Q, n]: which sampled step each row is. A sliding window's rows share its step once it is full: the
         # first row with the step is the sample.
-        hits = chunk.steps[:, :, None] == state.prompt_targets[:, None, :]
-        hits &= ~(state.prompt_recorded | state.prompt_pending)[:, None, :]
-        hits &= hits.cumsum(1) == 1
+        steps = chunk.steps
+        first = torch.ones_like(steps, dtype=torch.bool)
+        first[:, 1:] = steps[:, 1:] != steps[:, :-1]
+        taken = state.prompt_recorded | state.prompt_pending  # by an earlier chunk
+        hits = (steps[:, :, None] == state.prompt_targets[:, None, :]) & first[:, :, None] & ~taken[:, None, :]
         b_idx, r_idx, slot = hits.nonzero(as_tuple=True)
         if not self._defer_rows(chunk, state, b_idx, r_idx, slot):
             # Rows at a time so the float32 scores of a long prompt stay within PROMPT_CHUNK_ELEMENTS.
@@ -502,10 +504,10 @@ class Sift(Method):
             return False
         if resolve_backend("auto", chunk.query.device, chunk.query.dtype) == "torch":
             return False
-        valid = chunk.valid[b_idx, 0, r_idx]  # [n, K]
-        starts = valid.int().argmax(-1)
-        ends = valid.shape[-1] - valid.flip(-1).int().argmax(-1)
-        if not bool((ends - starts == valid.sum(-1)).all()):
+        valid = chunk.valid[b_idx, 0, r_idx].to(torch.uint8)  # [n, K]
+        starts = valid.argmax(-1)
+        ends = valid.shape[-1] - valid.flip(-1).argmax(-1)
+        if not bool((ends - starts == valid.sum(-1, dtype=torch.int64)).all()):
             return False
         B, H, n = state.prompt_thetas.shape
         if state.prompt_queries.shape[-1] != chunk.query.shape[-1] or state.prompt_queries.dtype != chunk.query.dtype:
