@@ -194,6 +194,29 @@ def test_bad_options_are_one_line_errors():
         get_task("ruler").load()
 
 
+def character_tokenizer():
+    """One token per character: far more tokens a word than a real tokenizer (Gemma's splits numbers into digits)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "<unk>": 2, "<|im_end|>": 3}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"<\|im_end\|>|<s>|\S"), "isolated")
+    backend.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", unk_token="<unk>",
+                                   eos_token="<|im_end|>")
+
+
+def test_a_category_whose_fixed_text_does_not_fit_takes_rulers_short_form():
+    """cwe at 4096 tokens: its worked example and 30 repeats alone overflow a tokenizer that spends many tokens a word,
+    so it is drafted in the form RULER uses below 4096 tokens, and says so; a word tokenizer keeps the full form."""
+    compact = ruler(character_tokenizer(), chat=False, length=4096, categories="cwe", samples=1).load().samples[0]
+    assert compact.target["short_form"] and compact.target["prompt_tokens"] <= 4096 - 120
+    assert compact.plain.count("1. ") < 60  # the short form's worked example: 20 words, 3 and 1 repeats
+    full = ruler(length=4096, categories="cwe", samples=1).load().samples[0]
+    assert not full.target["short_form"]
+
+
 # -- the needle probe -------------------------------------------------------------------------------
 def test_needle_report_names_the_layers_where_no_head_kept_the_needle():
     everything = torch.ones(4, 10, dtype=torch.bool)
@@ -205,6 +228,20 @@ def test_needle_report_names_the_layers_where_no_head_kept_the_needle():
     assert report["kept_all_fraction"] == pytest.approx(7 / 12) and report["layer_kept_all"] == [1.0, 0.75, 0.0]
     assert report["kept_token_fraction"] == pytest.approx(19 / 24) and report["layers_dropped"] == [2] and report["approximated"]
     assert needle_report([], [], [6])["decode_step"] is False
+
+
+def test_needle_report_reads_sliding_window_layers_by_position():
+    """A sliding layer's kept row covers the newest keys only: its key j is position total - K + j; a window that
+    misses part of the needle leaves the layer out, as Full cannot see it there either."""
+    total = 12
+    full_layer = torch.zeros(2, total, dtype=torch.bool)
+    full_layer[:, [8, 9]] = True
+    window = torch.tensor([[False, True, True, False], [True, False, True, False]])  # positions 8..11
+    report = needle_report([full_layer, window], [True, True], [9, 10], total)
+    assert report["layers_out_of_window"] == [] and report["layer_kept_all"] == [0.0, 0.5]
+    report = needle_report([full_layer, window], [True, True], [7, 8], total)
+    assert report["layers_out_of_window"] == [1] and report["layer_kept_all"] == [0.0, None]
+    assert report["kept_all_fraction"] == 0.0 and report["layers_dropped"] == [0]
 
 
 # -- end to end on the CPU ----------------------------------------------------------------------------

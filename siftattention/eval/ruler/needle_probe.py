@@ -43,25 +43,35 @@ def kept_sets(model: Any, prompt: Sequence[int], method: Any) -> tuple[list[torc
     return kept, approximated
 
 
-def needle_report(kept: Sequence[torch.Tensor], approximated: Sequence[bool], positions: Sequence[int]) -> dict[str, Any]:
+def needle_report(kept: Sequence[torch.Tensor], approximated: Sequence[bool], positions: Sequence[int],
+                  total: int | None = None) -> dict[str, Any]:
     """A compact summary: the share of (layer, head) that kept every needle key, the share of needle keys kept,
     that share of heads per layer, and the layers where no head kept the whole needle."""
     if not positions:
         return {"needle_tokens": 0}
     if not kept:
         return {"needle_tokens": len(positions), "decode_step": False}
-    index = torch.tensor(list(positions), dtype=torch.long)
-    per_head = [k[:, index] for k in kept]  # [Hq, N] per layer
-    whole = [h.all(dim=1) for h in per_head]  # [Hq] per layer: this head kept every needle key
-    heads = sum(int(w.numel()) for w in whole)
+    # The decode step's keys are the prompt's and the first answer token's. A sliding-window layer holds only the
+    # newest of them: its key j is position ``total - K + j``, and a layer whose window misses part of the needle
+    # is left out (Full cannot see it there either).
+    total = total or max(int(k.shape[1]) for k in kept)  # the prompt and the first answer token
+    needle = torch.tensor(list(positions), dtype=torch.long)
+    per_head: dict[int, torch.Tensor] = {}  # layer -> [Hq, N]
+    for layer, k in enumerate(kept):
+        index = needle - (total - k.shape[1])
+        if bool((index >= 0).all()):
+            per_head[layer] = k[:, index]
+    whole = {layer: h.all(dim=1) for layer, h in per_head.items()}  # [Hq] per layer: this head kept every needle key
+    heads = sum(int(w.numel()) for w in whole.values())
     return {
         "needle_tokens": len(positions),
         "decode_step": True,
         "approximated": any(approximated),
-        "kept_all_fraction": sum(int(w.sum()) for w in whole) / heads,
-        "kept_token_fraction": sum(float(h.float().sum()) for h in per_head) / (heads * len(positions)),
-        "layer_kept_all": [round(float(w.float().mean()), 3) for w in whole],
-        "layers_dropped": [layer for layer, w in enumerate(whole) if not bool(w.any())],
+        "kept_all_fraction": sum(int(w.sum()) for w in whole.values()) / heads if heads else None,
+        "kept_token_fraction": sum(float(h.float().sum()) for h in per_head.values()) / (heads * len(positions)) if heads else None,
+        "layer_kept_all": [round(float(whole[layer].float().mean()), 3) if layer in whole else None for layer in range(len(kept))],
+        "layers_dropped": [layer for layer, w in whole.items() if not bool(w.any())],
+        "layers_out_of_window": [layer for layer in range(len(kept)) if layer not in whole],
     }
 
 
@@ -71,4 +81,4 @@ def probe_needle(model: Any, prompt: Sequence[int], method: Any, positions: Sequ
         return {"needle_tokens": len(positions), "decode_step": True, "approximated": False, "kept_all_fraction": 1.0,
                 "kept_token_fraction": 1.0, "layer_kept_all": None, "layers_dropped": []}
     kept, approximated = kept_sets(model, prompt, method)
-    return needle_report(kept, approximated, positions)
+    return needle_report(kept, approximated, positions, len(prompt) + 1)
