@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..powerlaw import masked_quantile
+
 
 def valid_keys(
     B: int, S: int, device: torch.device, seq_lens: torch.Tensor | None, starts: torch.Tensor | None
@@ -197,25 +199,6 @@ def dense_decode_torch(
     return out if mask is None else out.masked_fill(~mask.any(dim=-1)[:, None, None], 0.0)
 
 
-def quantile_of_valid(p: torch.Tensor, valid: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
-    """tau-quantile of each row of ``p`` over its valid entries, linear interpolation.
-
-    Same definition as ``torch.quantile`` (position ``tau * (n - 1)`` in ascending
-    order), but works with a different ``n`` per row and with rows longer than 2^24.
-    ``tau`` is a float64 tensor broadcastable to ``p.shape[:-1]``.
-    """
-    n = valid.sum(dim=-1)
-    srt = torch.sort(p.masked_fill(~valid, float("inf")), dim=-1).values
-    pos = tau.to(torch.float64) * (n - 1).to(torch.float64)
-    lo = pos.floor()
-    frac = (pos - lo).to(p.dtype)
-    lo_i = lo.long().clamp(min=0)
-    hi_i = torch.minimum(lo_i + 1, (n - 1).clamp(min=0))
-    a = srt.gather(-1, lo_i[..., None]).squeeze(-1)
-    b = srt.gather(-1, hi_i[..., None]).squeeze(-1)
-    return torch.lerp(a, b, frac).masked_fill(n == 0, 0.0)  # no valid entry: 0
-
-
 def sift_warmup_decode_torch(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -228,5 +211,5 @@ def sift_warmup_decode_torch(
     s, valid = _scores(q, k_cache, scale, seq_lens, starts)
     p = _probs(s)
     out = _apply_v(p, v_cache)
-    theta = quantile_of_valid(p, valid, tau)
+    theta = masked_quantile(p, valid, tau, host_sync=False)  # no host sync: a decode step
     return out.to(q.dtype), theta.float()
