@@ -70,15 +70,16 @@ def _apply_v(p: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
     return out.reshape(B, Hq, D)
 
 
-def keep_mask(p: torch.Tensor, s: torch.Tensor, valid: torch.Tensor, eta: torch.Tensor) -> torch.Tensor:
+def keep_mask(p: torch.Tensor, s: torch.Tensor, valid: torch.Tensor, eta: torch.Tensor, on_scores: bool = False) -> torch.Tensor:
     """Keys kept: ``p > eta``, every valid key where ``eta <= 0``, and always the row maximum.
 
     (``eta <= 0`` is explicit: ``p > 0`` would drop keys whose float32 probability
     underflows to 0, where the logit test of the Triton kernels keeps them. ``eta >= 1``
-    and NaN keep the maximum only, as ``p > eta`` says.)
+    and NaN keep the maximum only, as ``p > eta`` says.) ``on_scores``: the threshold is on
+    the scaled scores instead, ``s > eta`` (-inf keeps every valid key).
     """
     e = eta[..., None].float()
-    keep = (p > e) | (e <= 0)
+    keep = s > e if on_scores else (p > e) | (e <= 0)
     keep.scatter_(-1, s.argmax(dim=-1, keepdim=True), True)  # first maximum, as the kernels
     return keep & valid
 

@@ -11,6 +11,7 @@ from .h2o import H2O
 from .oracle import Oracle
 from .sift import Sift
 from .skip_softmax import SkipSoftmax
+from .threshold import ThresholdMethod
 from .top_theta import CalibrationError, TopTheta
 from .topk import TopK
 
@@ -101,4 +102,4 @@ def parse_methods(specs: Sequence[str], option: str = "--method") -> list[tuple[
 
 
 __all__ = ["METHODS", "SPEC_HELP", "CalibrationError", "Full", "H2O", "Method", "Oracle", "Rows", "Selection", "Sift", "SkipSoftmax",
-           "SpecError", "TopK", "TopTheta", "parse_method", "parse_methods"]
+           "SpecError", "ThresholdMethod", "TopK", "TopTheta", "parse_method", "parse_methods"]

@@ -30,8 +30,9 @@ import torch
 from ..kernels.plan import PowerLawThreshold
 from ..kernels.torch_ref import anchor_mask
 from ..powerlaw import PowerLawFit, PowerLawSums, fit_power_law, masked_quantile, predict_log
-from .base import (DecodeOutput, KeyRange, Method, PromptChunk, Rows, Selection, check_bool, check_fraction, check_int,
-                   check_real, keep_row_max, select_sequences)
+from .base import (DecodeOutput, KeyRange, PromptChunk, Rows, check_bool, check_fraction, check_int, check_real,
+                   select_sequences)
+from .threshold import RowThresholds, StepThreshold, ThresholdMethod
 
 
 #: The longest warmup: its buffers are allocated whole ([batch, heads, warmup] per layer).
@@ -141,7 +142,7 @@ class AdaptiveWarmup:
 
 
 @dataclass
-class Sift(Method):
+class Sift(ThresholdMethod):
     """Power-law guided threshold: keep keys with p > alpha * S^-beta after a warmup."""
 
     tau: float = 0.875
@@ -267,7 +268,7 @@ class Sift(Method):
         sums.add(steps.double()[:, None], theta, which[:, None], decay=self.recalibrate_decay)
         self._set_fit(state, sums.fit(), which)
 
-    def select(self, rows: Rows, state: SiftState) -> Selection:
+    def row_thresholds(self, rows: Rows, state: SiftState) -> RowThresholds:
         factor = self._anchored_factor(rows, state) if self.anchored else None
         # Index of each step row within its sequence's steps: warmup rows come first.
         order = state.count[:, None] + torch.cumsum(rows.is_step.long(), dim=1) - 1
@@ -278,14 +279,10 @@ class Sift(Method):
 
         approx = rows.is_step & ~warm & state.fitted[:, None]
         if not bool(approx.any()):
-            return Selection(keep=None, approx=approx)
+            return RowThresholds(None, approx)
         log_alpha, beta = self._row_fits(rows, state, approx)
         eta = predict_log(log_alpha, beta, rows.steps[:, None, :].float())  # [B, H, R]
-        if factor is not None:
-            eta = eta * factor
-        keep = keep_row_max(rows.probs, rows.probs > eta.unsqueeze(-1), rows.valid)
-        keep = torch.where(approx[:, None, :, None], keep, rows.valid)
-        return Selection(keep=keep, approx=approx)
+        return RowThresholds(eta if factor is None else eta * factor, approx)
 
     def _row_fits(self, rows: Rows, state: SiftState, approx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """log alpha and beta [B, H, R] that each row filters with: the fit as it stands, recalibrated
@@ -337,7 +334,8 @@ class Sift(Method):
         later = ("sparse", "recalibrate") if self._recalibrating and self.recalibrate_every else ("sparse",)
         return ("warmup", *later) if self.decode_phase(step) == "warmup" else later
 
-    def decode_step(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, keys: KeyRange, state: SiftState, phase: str, kernels: Any) -> DecodeOutput:
+    def step_threshold(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, keys: KeyRange,
+                       state: SiftState, phase: str, kernels: Any) -> StepThreshold:
         if phase == "warmup":
             out, theta = kernels.warmup(query, k_cache, v_cache, self.tau, keys.seq_lens, keys.starts)
             # Decode steps run in lockstep over the batch, so one slot index serves every row.
@@ -349,17 +347,18 @@ class Sift(Method):
                 self._watch_warmup(state)
             if self.anchored:
                 state.gap.copy_(kernels.warmup_gap(query, k_cache, keys.seq_lens, keys.starts, *self.anchors))
-            return DecodeOutput(out, None, False)
-        if self.anchored:
-            out, kept = kernels.sparse_anchored(query, k_cache, v_cache, self.power_law(state, keys), state.gap,
-                                                keys.seq_lens, keys.starts, *self.anchors)
-        else:
-            out, kept = kernels.sparse(query, k_cache, v_cache, self.power_law(state, keys), keys.seq_lens, keys.starts)
+            return StepThreshold(None, False, out=out)
+        anchors = (state.gap, *self.anchors) if self.anchored else None
+        return StepThreshold(self.power_law(state, keys), state.fitted, anchors=anchors)
+
+    def decode_step(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, keys: KeyRange,
+                    state: SiftState, phase: str, kernels: Any) -> DecodeOutput:
+        res = super().decode_step(query, k_cache, v_cache, keys, state, phase, kernels)
         if phase == "recalibrate":
             # The step filters with the fit so far, then its exact quantile joins the fit.
             _, theta = kernels.warmup(query, k_cache, v_cache, self.tau, keys.seq_lens, keys.starts)
             self._recalibrate(state, keys.steps(), theta, state.calibrated)
-        return DecodeOutput(out, kept, state.fitted)
+        return res
 
     def _watch_warmup(self, state: SiftState) -> None:
         """Adaptive warmup: whether the predicted next quantile moved by at most the tolerance (device-side)."""

@@ -1,0 +1,123 @@
+"""The threshold methods: keep, in each row, the keys above a threshold of the method's own.
+
+Sift (a power law in S), the Oracle (the row's exact tau-quantile) and Top-theta (a calibrated
+score per row length) differ only in the threshold. ``ThresholdMethod`` owns everything else, on
+the reference path (``select``) and the decode path (``decode_step``) alike:
+
+- the filter: ``p > eta`` with probabilities (``eta <= 0`` keeps every valid key, ``eta >= 1`` and
+  NaN only the maximum), or ``s > theta`` with scaled scores (``theta = -inf`` keeps every key);
+- the row's maximum, always kept, so no row goes empty;
+- rows the method does not approximate (its warmup) keep every valid key;
+- the output: the full-softmax normaliser, the kept mass (``renormalize``), and value-mean
+  compensation (``vmc``, see ``Method``).
+
+A subclass supplies ``row_thresholds`` for a chunk of teacher-forced rows and ``step_threshold``
+for one decode step. Probability thresholds run through the decode kernels (``DecodeKernels``);
+score thresholds through the torch reference (no kernel filters on raw scores).
+
+Top-k is not one of them: it keeps exactly ``ceil(k * S)`` keys, ties broken by position, which
+no threshold ``p > eta`` can say where probabilities tie. Skip-Softmax neither: its threshold
+moves along the row with the running maximum of the blocks before each block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+import torch
+
+from ..kernels.arguments import PowerLawThreshold
+from .base import DecodeOutput, KeyRange, Method, Rows, Selection, compensate_value_mean, keep_row_max
+
+
+@dataclass
+class RowThresholds:
+    """A threshold method's decision for a chunk of rows.
+
+    eta:    [B, H, R] float32 threshold per row, in the method's ``threshold_space``; None when no
+            row of the chunk is approximated.
+    approx: [B, R] bool, the rows the threshold filters; the others keep every valid key.
+    """
+
+    eta: torch.Tensor | None
+    approx: torch.Tensor
+
+
+@dataclass
+class StepThreshold:
+    """A threshold method's decision for one decode step.
+
+    eta:     [B, Hq] float32 (or, in probabilities, a ``PowerLawThreshold`` the kernels evaluate),
+             or None for an exact step.
+    approx:  [B] bool or one bool: the rows the method approximates.
+    out:     an exact step's output where the method already has it (a warmup kernel that also
+             measured the quantile); None runs the dense kernel.
+    anchors: (gap, first, last) for Sift's anchored normaliser (``DecodeKernels.sparse_anchored``).
+    """
+
+    eta: torch.Tensor | PowerLawThreshold | None
+    approx: torch.Tensor | bool = True
+    out: torch.Tensor | None = None
+    anchors: tuple[torch.Tensor, int, int] | None = None
+
+
+class ThresholdMethod(Method):
+    """Base of the methods that keep the keys above a per-row threshold (and the row's maximum)."""
+
+    #: "prob": the threshold is on softmax probabilities; "score": on scaled pre-softmax scores
+    threshold_space: ClassVar[Literal["prob", "score"]] = "prob"
+
+    def row_thresholds(self, rows: Rows, state: Any) -> RowThresholds:
+        """The threshold of every row of a teacher-forced chunk (the method's state may learn from them)."""
+        raise NotImplementedError
+
+    def step_threshold(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, keys: KeyRange,
+                       state: Any, phase: str, kernels: Any) -> StepThreshold:
+        """The threshold of one decode step (``decode_step``'s arguments); no host synchronisation."""
+        raise NotImplementedError
+
+    def select(self, rows: Rows, state: Any) -> Selection:
+        th = self.row_thresholds(rows, state)
+        if th.eta is None:
+            return Selection(keep=None, approx=th.approx)
+        eta = th.eta.unsqueeze(-1)
+        if self.threshold_space == "score":
+            keep = rows.scores > eta
+        else:
+            keep = (rows.probs > eta) | (eta <= 0)
+        keep = keep_row_max(rows.probs, keep, rows.valid)
+        keep = torch.where(th.approx[:, None, :, None], keep, rows.valid)
+        return Selection(keep=keep, approx=th.approx)
+
+    def decode_step(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, keys: KeyRange, state: Any,
+                    phase: str, kernels: Any) -> DecodeOutput:
+        th = self.step_threshold(query, k_cache, v_cache, keys, state, phase, kernels)
+        if th.eta is None:
+            out = th.out if th.out is not None else kernels.dense(query, k_cache, v_cache, keys.seq_lens, keys.starts)
+            return DecodeOutput(out, None, th.approx)
+        if self.threshold_space == "score":
+            out, kept = self._score_step(query, k_cache, v_cache, th.eta, keys, kernels.scale)
+        elif th.anchors is not None:
+            gap, first, last = th.anchors
+            out, kept = kernels.sparse_anchored(query, k_cache, v_cache, th.eta, gap, keys.seq_lens, keys.starts,
+                                                first, last)
+        else:
+            out, kept = kernels.sparse(query, k_cache, v_cache, th.eta, keys.seq_lens, keys.starts)
+        return DecodeOutput(out, kept, th.approx)
+
+    def _score_step(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, theta: torch.Tensor,
+                    keys: KeyRange, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decode step with a score threshold, through the torch reference: out and kept counts."""
+        from ..kernels.torch_ref import _apply_v, _kept_weights, _probs, _scores, keep_mask
+
+        s, valid = _scores(query, k_cache, scale, keys.seq_lens, keys.starts)
+        p = _probs(s)
+        keep = keep_mask(p, s, valid, theta, on_scores=True)
+        weights = _kept_weights(p, keep, self.renormalize)
+        if self.vmc:  # every value row is read here anyway: the mean comes through the weights
+            weights = compensate_value_mean(weights, valid, keys.steps().float()[:, None, None])
+        return _apply_v(weights, v_cache).to(query.dtype), keep.sum(-1, dtype=torch.int32)
+
+
+__all__ = ["RowThresholds", "StepThreshold", "ThresholdMethod"]
