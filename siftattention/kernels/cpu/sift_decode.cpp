@@ -64,11 +64,13 @@ inline float row_max(const float* x, int64_t n) {
   return m;
 }
 
-// y[j] = exp(scale * x[j] - m); returns their sum in a fixed association (16 lanes,
-// then a fixed tree), so the same values always give the same bits.
-inline float exp_shift_sum(const float* x, float* y, int64_t n, float scale, float m) {
+// y[j] = exp(scale * (x[j] - xmax)); returns their sum in a fixed association (16 lanes,
+// then a fixed tree), so the same values always give the same bits. Shifting before scaling
+// makes y exactly 1 at the maximum: with scale * x[j] - scale * xmax the compiler may fuse a
+// multiply-add whose unrounded product leaves a residue there (p_max = 1 / z no longer holds).
+inline float exp_shift_sum(const float* x, float* y, int64_t n, float scale, float xmax) {
 #pragma omp simd
-  for (int64_t j = 0; j < n; ++j) y[j] = exp_nonpos(scale * x[j] - m);
+  for (int64_t j = 0; j < n; ++j) y[j] = exp_nonpos(scale * (x[j] - xmax));
   float acc[16] = {0};
   int64_t j = 0;
   for (; j + 16 <= n; j += 16) {
@@ -205,8 +207,9 @@ std::vector<torch::Tensor> decode_cpu(torch::Tensor q, torch::Tensor k, torch::T
         const float* srow = s0 + g * W;
         float* eg = e.data() + g * L;
         // A positive scale keeps the order, so the scaled maximum is the scale times the raw one.
-        max_scaled[g] = sc * row_max(srow, L);
-        const float z = exp_shift_sum(srow, eg, L, sc, max_scaled[g]);
+        const float xmax = row_max(srow, L);
+        max_scaled[g] = sc * xmax;
+        const float z = exp_shift_sum(srow, eg, L, sc, xmax);
         inv_z[g] = 1.f / z;
         if (mode == ANCHORED) {
           const float gnew = std::log(z) - std::log(anchor_sum(eg, L, first, last));
