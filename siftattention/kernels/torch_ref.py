@@ -93,10 +93,12 @@ def sift_decode_torch(
     seq_lens: torch.Tensor | None,
     renormalize: bool,
     starts: torch.Tensor | None = None,
+    value_sum: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sparse step (module docstring); ``value_sum``: see ``value_mean_term``."""
     s, valid = _scores(q, k_cache, scale, seq_lens, starts)
     p = _probs(s)
-    return _kept_output(p, keep_mask(p, s, valid, eta), v_cache, renormalize, q.dtype)
+    return _kept_output(p, keep_mask(p, s, valid, eta), v_cache, renormalize, q.dtype, value_sum, valid)
 
 
 def _kept_weights(p: torch.Tensor, keep: torch.Tensor, renormalize: bool) -> torch.Tensor:
@@ -107,9 +109,27 @@ def _kept_weights(p: torch.Tensor, keep: torch.Tensor, renormalize: bool) -> tor
 
 
 def _kept_output(p: torch.Tensor, keep: torch.Tensor, v_cache: torch.Tensor, renormalize: bool,
-                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Output of the kept keys' probabilities (renormalised to their own mass if asked) and the kept counts."""
-    return _apply_v(_kept_weights(p, keep, renormalize), v_cache).to(dtype), keep.sum(dim=-1, dtype=torch.int32)
+                 dtype: torch.dtype, value_sum: torch.Tensor | None = None,
+                 valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Output of the kept keys' probabilities (renormalised to their own mass if asked) and the kept counts;
+    with ``value_sum`` (and the validity [B, Hq, S]) value-mean compensated (``value_mean_term``)."""
+    w = _kept_weights(p, keep, renormalize)
+    out = _apply_v(w, v_cache)
+    if value_sum is not None:
+        out = out + value_mean_term(w.sum(-1), value_sum, valid.sum(-1))
+    return out.to(dtype), keep.sum(dim=-1, dtype=torch.int32)
+
+
+def value_mean_term(mass: torch.Tensor, value_sum: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """Value-mean compensation of one decode step: ``(1 - mass) * value_sum / count`` per query head, [B, Hq, D].
+
+    ``mass`` [B, Hq]: the kept probability; ``value_sum`` [B, Hkv, D]: the sum of each KV head's valid value
+    rows; ``count`` [B, Hq]: how many valid keys. The pruned mass is spread evenly over the valid keys
+    (``methods.base.compensate_value_mean``'s rule, with V read once for the sum); 0 on a row without keys.
+    """
+    G = mass.shape[1] // value_sum.shape[1]
+    mean = value_sum.to(mass.dtype).repeat_interleave(G, 1) / count.clamp(min=1).to(mass.dtype)[..., None]
+    return torch.where((count > 0)[..., None], (1.0 - mass)[..., None] * mean, 0.0)
 
 
 def anchor_mask(valid: torch.Tensor, first: int, last: int) -> torch.Tensor:
@@ -147,12 +167,14 @@ def sift_anchored_decode_torch(
     starts: torch.Tensor | None,
     first: int,
     last: int,
+    value_sum: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sift with the anchored normaliser: keep keys with ``s > anchor_lse + gap + log(eta)``.
 
     ``log_eta`` [B, Hq] float32; ``gap`` [B, Hq] float32, the previous step's
     ``logsumexp(s) - anchor_lse`` (NaN: keep every key). The kept keys get the exact
-    normaliser (or their own mass with ``renormalize``); the row maximum is always kept.
+    normaliser (or their own mass with ``renormalize``, or value-mean compensation with ``value_sum``,
+    ``value_mean_term``); the row maximum is always kept.
     Returns out [B, Hq, D] in q's dtype, kept [B, Hq] int32 and this step's gap [B, Hq] float32.
     """
     s, valid = _scores(q, k_cache, scale, seq_lens, starts)
@@ -163,7 +185,7 @@ def sift_anchored_decode_torch(
     keep.scatter_(-1, s.argmax(dim=-1, keepdim=True), True)
     empty = lse == float("-inf")  # no valid key: nothing kept, output 0, gap 0
     p = torch.exp(s - lse[..., None]).masked_fill(empty[..., None], 0.0)
-    out, kept = _kept_output(p, keep & valid, v_cache, renormalize, q.dtype)
+    out, kept = _kept_output(p, keep & valid, v_cache, renormalize, q.dtype, value_sum, valid)
     return out, kept, _gap(lse, anchor_lse)
 
 
