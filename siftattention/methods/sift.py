@@ -18,6 +18,10 @@ geometrically in step over the whole prompt, so decoding is sparse from its firs
 ``warmup_source="decode"`` is the paper's decode warmup (optionally adaptive, ``AdaptiveWarmup``).
 Every ``recalibrate_every`` sparse steps one step also measures its exact quantile and adds it to
 the fit's least-squares sums, every earlier point weighted down by ``recalibrate_decay``.
+
+``vmc=True`` (beyond the paper, with ``renormalize=False``): value-mean compensation, the pruned
+probability mass times the mean of the row's valid value rows added to the output
+(``ThresholdMethod``; a running sum of the value rows keeps the decode step's kernels sparse in V).
 """
 
 from __future__ import annotations
@@ -31,19 +35,21 @@ from ..kernels.plan import PowerLawThreshold
 from ..kernels.torch_ref import anchor_mask
 from ..powerlaw import PowerLawFit, PowerLawSums, fit_power_law, masked_quantile, predict_log
 from .base import (DecodeOutput, KeyRange, PromptChunk, Rows, check_bool, check_fraction, check_int, check_real,
-                   select_sequences)
-from .threshold import RowThresholds, StepThreshold, ThresholdMethod
+                   check_vmc)
+from .threshold import RowThresholds, StepThreshold, ThresholdMethod, ThresholdState
 
 
 #: The longest warmup: its buffers are allocated whole ([batch, heads, warmup] per layer).
 MAX_WARMUP = 65536
 #: Soft bound on the float32 scores of one batch of sampled prompt rows ([H, rows, K]).
 PROMPT_CHUNK_ELEMENTS = 1 << 24
+#: The fields every threshold method's state has (value-mean compensation), none of them Sift's fit's.
+_VALUE_FIELDS = {f.name for f in fields(ThresholdState)}
 
 
 @dataclass
-class SiftState:
-    """Per-(sequence, head) state of one layer."""
+class SiftState(ThresholdState):
+    """Per-(sequence, head) state of one layer (and, with ``vmc``, the running value sum)."""
 
     thetas: torch.Tensor  # [B, H, w] recorded quantiles
     theta_steps: torch.Tensor  # [B, w] the step S of each recorded quantile
@@ -156,10 +162,11 @@ class Sift(ThresholdMethod):
     recalibrate_decay: float = 0.9
     warmup_tolerance: float = 0.0
     warmup_min: int = 16
+    vmc: bool = False
     name = "sift"
     #: shown in ``spec()`` only where they differ from their defaults
     spec_optional: ClassVar[tuple[str, ...]] = ("normalizer", "anchor_first", "anchor_last", "recalibrate_every",
-                                                "recalibrate_decay", "warmup_tolerance", "warmup_min")
+                                                "recalibrate_decay", "warmup_tolerance", "warmup_min", "vmc")
     #: the prompt rows a decode calibrates on (``warmup_source="prompt"``)
     calibration: ClassVar[PromptCalibration] = PromptCalibration()
 
@@ -184,13 +191,11 @@ class Sift(ThresholdMethod):
         self.anchor_last = check_int("anchor_last", self.anchor_last, 0)
         if self.anchor_first + self.anchor_last == 0:
             raise ValueError("anchor_first + anchor_last must be at least 1")
+        self.vmc = check_vmc(self.vmc, self.renormalize)
         # Host-side, set by each prompt: the decode step where the decode warmup ends (0: no decode warmup),
         # and whether the batch was calibrated on its prompts (only such fits recalibrate).
         self._warmup_end = 0 if self.warmup_source == "prefill" else self.warmup
         self._recalibrating = False
-
-    def reorder_state(self, state: SiftState, index: torch.Tensor) -> SiftState:
-        return select_sequences(state, index)  # every field has one row per sequence
 
     @property
     def anchored(self) -> bool:
@@ -392,8 +397,9 @@ class Sift(ThresholdMethod):
         for state in states:
             groups.setdefault((tuple(state.thetas.shape), state.thetas.device), []).append(state)
         for group in groups.values():
-            # The layers' rows side by side: one fit of [layers * B] rows.
-            joined = SiftState(*(torch.cat([getattr(s, f.name) for s in group]) for f in fields(SiftState)))
+            # The layers' rows side by side: one fit of [layers * B] rows (the value sums play no part).
+            joined = SiftState(**{f.name: torch.cat([getattr(s, f.name) for s in group])
+                                  for f in fields(SiftState) if f.name not in _VALUE_FIELDS})
             self._fit(joined, (joined.count >= 2) & ~joined.fitted)  # the adaptive warmup may end early
             batch = group[0].count.shape[0]
             for name in ("fitted", "beta", "r2", "log_alpha", "fit_sums"):
@@ -431,10 +437,13 @@ class Sift(ThresholdMethod):
             state.gap.copy_(torch.where(last.any(dim=1)[:, None], gap, state.gap))
 
     def observes_prompt(self) -> bool:
-        return self.warmup_source == "prompt"
+        return self.warmup_source == "prompt" or super().observes_prompt()
 
     def observe_prompt(self, chunk: PromptChunk, state: SiftState) -> None:
         """warmup_source='prompt': measure the quantiles of the chunk's sampled rows (``calibration``)."""
+        super().observe_prompt(chunk, state)
+        if self.warmup_source != "prompt":
+            return
         calibration = self.calibration
         state.calibrated.copy_(calibration.usable(chunk.prompt_steps))
         self._recalibrating = bool(state.calibrated.all())
