@@ -368,7 +368,8 @@ class SiftHandle:
                 if self.prompt_len is not None:  # the prompt's later chunks are real tokens (padding is on the left)
                     prompt_steps = prompt_steps + max(0, self.prompt_len - fed - Q)
                 final = self.prompt_len is None or fed + Q >= self.prompt_len
-                self.method.observe_prompt(PromptChunk(query, key, valid, prompt_steps, scaling, bias, softcap, final), state)
+                self.method.observe_prompt(PromptChunk(query, key, valid, prompt_steps, scaling, bias, softcap, value, final),
+                                           state)
             self.method.finish_prefill(state)
         elif decoding:
             self._decoded[layer] += 1
@@ -392,7 +393,8 @@ class SiftHandle:
             self._causal_mask = (weakref.ref(attention_mask), is_causal_block(valid))
         return self._causal_mask[1]
 
-    def _step_keys(self, layer: int, mask: torch.Tensor | None, k_len: int, batch: int, device: torch.device) -> KeyRange:
+    def _step_keys(self, layer: int, mask: torch.Tensor | None, k_len: int, batch: int, device: torch.device,
+                   window: int | None = None) -> KeyRange:
         """The key range of a decode step's mask, with S and log S, formed once for all the layers of
         one forward that get that mask (one, or two where sliding-window layers have their own).
 
@@ -402,11 +404,11 @@ class SiftHandle:
         if layer <= self._keys_layer:
             self._keys = {}
         self._keys_layer = layer
-        sig = (id(mask), k_len, batch, device)  # the entry holds the mask, so its id stays its own
+        sig = (id(mask), k_len, batch, device, window)  # the entry holds the mask, so its id stays its own
         if sig not in self._keys:
             keys = _key_range(mask, k_len, batch, device)
             steps = keys.steps()
-            self._keys[sig] = (mask, KeyRange(keys.seq_lens, keys.starts, steps, steps.float().log()))
+            self._keys[sig] = (mask, KeyRange(keys.seq_lens, keys.starts, steps, steps.float().log(), window))
         return self._keys[sig][1]
 
     def _decode(self, layer, module, state, query, key, value, attention_mask, scaling, kwargs) -> tuple[torch.Tensor, None] | None:
@@ -415,13 +417,14 @@ class SiftHandle:
         phase = self.method.decode_phase(step)
         if phase is None or self.decode_backend is None or kwargs.get("softcap") is not None:
             return None
+        window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
         if self.context is not None:
-            keys = self.context.keys(kwargs.get("sliding_window", getattr(module, "sliding_window", None)))
+            keys = self.context.keys(window)
             keys.key_copy = self.context.key_copy(layer)
         else:
             if not self._range_ok.get(layer, False) or (attention_mask is not None and attention_mask.dtype != torch.bool):
                 return None
-            keys = self._step_keys(layer, attention_mask, key.shape[2], query.shape[0], query.device)
+            keys = self._step_keys(layer, attention_mask, key.shape[2], query.shape[0], query.device, window)
         kernels, planned = self._plan(query, key, scaling)
         if planned and kernels.compiles_ahead:
             self._compile_ahead(kernels, layer, step, query, key, value, keys)

@@ -12,37 +12,62 @@ from dataclasses import dataclass
 import torch
 
 
-def masked_quantile(values: torch.Tensor, valid: torch.Tensor | None, tau: float) -> torch.Tensor:
+def masked_quantile(values: torch.Tensor, valid: torch.Tensor | None, tau: float | torch.Tensor, *,
+                    host_sync: bool = True) -> torch.Tensor:
     """tau-quantile of the last dimension over the entries where ``valid`` is True.
 
-    Linear interpolation between order statistics (``torch.quantile``'s default),
-    so a row with one valid entry returns that entry. It needs only the two order
-    statistics around position tau*(n-1), so it takes a partial ``topk`` from the
-    nearer end instead of a full sort (and has no 2^24-element limit). Rows with no
-    valid entry return 0.
+    Linear interpolation between order statistics at position ``tau * (n - 1)`` in ascending
+    order (``torch.quantile``'s rule, the position in float64), so a row with one valid entry
+    returns that entry; rows with no valid entry return 0. ``tau``: a float, or a tensor
+    broadcastable to ``values.shape[:-1]`` (one level per row). The one quantile of the library:
+    the methods, the analysis and the kernels' torch reference all take theirs here.
+
+    With a float ``tau`` and ``host_sync`` it needs only the two order statistics around the
+    position, so it takes a partial ``topk`` from the nearer end, whose depth it reads on the host
+    (one synchronisation); otherwise a full sort, which reads nothing on the host (a decode step
+    that a CUDA graph captures). Either way it has no 2^24-element limit.
     """
     if valid is None:
         valid = torch.ones_like(values, dtype=torch.bool)
     n = valid.sum(dim=-1)
-    pos = tau * (n.clamp(min=1) - 1).to(torch.float64)
-    lo = pos.floor().long()
-    hi = pos.ceil().long()
-    frac = (pos - lo.to(torch.float64)).to(values.dtype)
-    if tau >= 0.5:
-        # Largest first: ascending index j is descending index n-1-j.
-        filled = values.masked_fill(~valid, float("-inf"))
-        depth = max(1, int((n - 1 - lo).max()) + 1) if n.numel() else 1
-        top = torch.topk(filled, min(depth, values.shape[-1]), dim=-1, sorted=True).values
-        lo_val = top.gather(-1, (n - 1 - lo).clamp(min=0).unsqueeze(-1)).squeeze(-1)
-        hi_val = top.gather(-1, (n - 1 - hi).clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    else:
-        filled = values.masked_fill(~valid, float("inf"))
+    if not host_sync or isinstance(tau, torch.Tensor):
+        return quantile_of_sorted(torch.sort(values.masked_fill(~valid, float("inf")), dim=-1).values, n, tau)
+    if tau < 0.5:
+        _, hi, _ = _positions(n, tau)
         depth = max(1, int(hi.max()) + 1) if n.numel() else 1
-        low = torch.topk(filled, min(depth, values.shape[-1]), dim=-1, largest=False, sorted=True).values
-        lo_val = low.gather(-1, lo.unsqueeze(-1)).squeeze(-1)
-        hi_val = low.gather(-1, hi.unsqueeze(-1)).squeeze(-1)
-    out = lo_val + (hi_val - lo_val) * frac
-    return torch.where(n > 0, out, torch.zeros_like(out))
+        low = torch.topk(values.masked_fill(~valid, float("inf")), min(depth, values.shape[-1]), dim=-1, largest=False,
+                         sorted=True).values
+        return quantile_of_sorted(low, n, tau)
+    # Largest first: ascending index j is descending index n - 1 - j.
+    lo, hi, frac = _positions(n, tau)
+    depth = max(1, int((n - 1 - lo).max()) + 1) if n.numel() else 1
+    top = torch.topk(values.masked_fill(~valid, float("-inf")), min(depth, values.shape[-1]), dim=-1, sorted=True).values
+    return _interpolate(top, (n - 1 - lo).clamp(min=0), (n - 1 - hi).clamp(min=0), frac, n)
+
+
+def quantile_of_sorted(ascending: torch.Tensor, n: torch.Tensor, tau: float | torch.Tensor) -> torch.Tensor:
+    """``masked_quantile``'s interpolation on rows already sorted ascending along the last dimension,
+    each row's ``n`` valid values first (``n`` and ``tau`` broadcast against ``ascending.shape[:-1]``)."""
+    lo, hi, frac = _positions(n, tau)
+    return _interpolate(ascending, lo, hi, frac, n)
+
+
+def _positions(n: torch.Tensor, tau: float | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The order statistics around position ``tau * (n - 1)`` (ascending) and the weight of the upper one (float64)."""
+    tau = tau.to(device=n.device, dtype=torch.float64) if isinstance(tau, torch.Tensor) else tau
+    pos = tau * (n.clamp(min=1) - 1).to(torch.float64)
+    lo = pos.floor()
+    return lo.long(), pos.ceil().long(), pos - lo
+
+
+def _interpolate(ordered: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, frac: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    """torch.lerp (the two-sided formula torch.quantile and the kernels use) between ``ordered``'s entries
+    at ``lo`` and ``hi``; 0 on rows without a valid entry."""
+    shape = ordered.shape[:-1]
+    a = ordered.gather(-1, lo.expand(shape).unsqueeze(-1)).squeeze(-1)
+    b = ordered.gather(-1, hi.expand(shape).unsqueeze(-1)).squeeze(-1)
+    out = torch.lerp(a, b, frac.expand(shape).to(ordered.dtype))
+    return torch.where(n.expand(shape) > 0, out, torch.zeros_like(out))
 
 
 def _safe_log(theta: torch.Tensor) -> torch.Tensor:

@@ -73,6 +73,8 @@ def method_family(spec: str) -> str:
         label += " renorm"
     if method.name == "topk" and not method.renormalize:
         label += " no-renorm"
+    if method.name in ("sift", "oracle", "topk") and method.vmc:
+        label += " vmc"
     if method.name == "toptheta":
         label += (" renorm" if method.renormalize else "") + ("" if method.vmc else " no-vmc")
     if method.name == "skipsoftmax":

@@ -125,9 +125,12 @@ def run_steps(kern, case: tuple) -> None:
     if D <= MAX_HEAD_DIM:
         keys = Int8Keys(torch.empty(B, Hkv, S, D, dtype=torch.int8), torch.empty(B, Hkv, S))
         kern.sparse_keybound(q, k, v, keys, torch.full((B, Hq), 1e-3) if eta_tensor else power_law, seq_lens, starts)
+    value_sum = None if renorm else torch.zeros(B, Hkv, D)  # value-mean compensation in the combine
+    if value_sum is not None:
+        kern.sparse(q, k, v, power_law, seq_lens, starts, value_sum)
     if cfg.fused_combine:  # the anchored steps need the fused combine (the gap is written there)
         kern.warmup_gap(q, k, seq_lens, starts, 64, 256)
-        kern.sparse_anchored(q, k, v, power_law, gap, seq_lens, starts, 64, 256, onepass=False)
+        kern.sparse_anchored(q, k, v, power_law, gap, seq_lens, starts, 64, 256, onepass=False, value_sum=value_sum)
         kern.sparse_anchored(q, k, v, power_law, gap, seq_lens, starts, 64, 256, onepass=True)
 
 

@@ -571,6 +571,30 @@ def test_cpu_backend_eta_edges():
 
 
 @needs_cpu_kernel
+def test_cpu_backend_keeps_the_maximum_of_rows_with_all_the_mass():
+    """Rows whose probability sits on one key (one valid key, or every other key's exponential below float32):
+    with eta >= 1 or NaN they keep exactly that key, and its value row is the output. (D = 128: with a scale that
+    is no power of two a fused multiply-add in scale * s - scale * s_max leaves a residue at the maximum.)"""
+    from siftattention.kernels import DecodeKernels
+
+    gen = torch.Generator().manual_seed(45)
+    B, Hq, Hkv, S, D = 4, 16, 2, 40, 128
+    q = torch.randn(B, Hq, D, generator=gen)
+    q[2:] *= 400.0  # peaked rows: p_max = 1 to float32
+    k, v = torch.randn(B, Hkv, S, D, generator=gen), torch.randn(B, Hkv, S, D, generator=gen)
+    seq_lens = torch.tensor([40, 17, 40, 29], dtype=torch.int32)
+    starts = torch.tensor([39, 16, 0, 3], dtype=torch.int32)
+    kern = DecodeKernels.plan(batch=B, q_heads=Hq, kv_heads=Hkv, max_len=S, head_dim=D, dtype=torch.float32,
+                              device="cpu", scale=D**-0.5, backend="cpu")
+    for e in (1.0, 2.5, float("nan")):
+        eta = torch.full((B, Hq), e)
+        out, kept = kern.sparse(q, k, v, eta, seq_lens, starts)
+        ref, ref_kept, _, _ = ref_range(q, k, v, eta, D**-0.5, seq_lens, starts)
+        assert torch.equal(kept, torch.ones(B, Hq, dtype=torch.int32)) and torch.equal(ref_kept, kept), e
+        assert rel(out, ref) < 1e-5, e
+
+
+@needs_cpu_kernel
 def test_cpu_backend_quantile_threshold_drops_the_quantile_key():
     """theta from the warmup step, used as eta, filters the same probabilities: at tau * (n - 1)
     integral, theta is a key's own probability and that key is dropped, as ``p > theta`` says."""

@@ -80,3 +80,42 @@ def test_masked_quantile_equals_torch_quantile_over_valid_entries(tau):
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-7)
     assert got[0, 0] == values[0, 0, 7]
     assert masked_quantile(values, torch.zeros_like(valid), tau).eq(0).all()
+
+
+def test_every_quantile_of_the_library_is_one_computation():
+    """The methods' (partial top-k, both ends), the decode steps' torch reference (a full sort, tau per row) and
+    the analysis' (numpy sort, all taus at once) give the same bits, within one float32 rounding of float64."""
+    from siftattention.eval.analysis import row_quantiles
+    from siftattention.kernels.torch_ref import _probs, _scores, sift_warmup_decode_torch
+
+    g = torch.Generator().manual_seed(4)
+    B, H, R, K = 2, 3, 31, 90
+    probs = torch.softmax(torch.randn(B, H, R, K, generator=g) * 3, -1)
+    n = torch.randint(0, K + 1, (B, 1, R), generator=g)
+    n[0, 0, :3] = torch.tensor([0, 1, 2])
+    valid = torch.arange(K) < n[..., None]
+    taus = (0.1, 0.3, 0.5, 0.7, 0.875, 0.99, 1.0)
+    analysis = row_quantiles(probs, valid, taus, block_rows=7)
+    for t, tau in enumerate(taus):
+        mask = valid.expand_as(probs)
+        partial = masked_quantile(probs, mask, tau)
+        assert torch.equal(partial, masked_quantile(probs, mask, tau, host_sync=False))
+        assert torch.equal(partial, masked_quantile(probs, mask, torch.full((B, H, R), tau, dtype=torch.float64)))
+        assert torch.equal(partial, analysis[..., t])
+        want = torch.zeros(B, H, R, dtype=torch.float64)
+        for b, r in ((b, r) for b in range(B) for r in range(R)):
+            if n[b, 0, r]:
+                want[b, :, r] = torch.quantile(probs[b, :, r, : n[b, 0, r]].double(), tau, dim=-1)
+        ulps = (partial.double() - want).abs() / (want.abs() * torch.finfo(torch.float32).eps).clamp_min(1e-300)
+        assert float(ulps.max()) <= 1.0, (tau, float(ulps.max()))
+    # A decode step's quantile (one tau per row, no host sync) is the same function on its rows.
+    q, k = torch.randn(B, H, 16, generator=g), torch.randn(B, H, K, 16, generator=g)
+    tau = torch.rand(B, H, generator=g, dtype=torch.float64)
+    seq_lens, starts = torch.tensor([K, 40], dtype=torch.int32), torch.tensor([0, 7], dtype=torch.int32)
+    _, theta = sift_warmup_decode_torch(q, k, k, tau, 0.25, seq_lens, starts)
+    scores, keys = _scores(q, k, 0.25, seq_lens, starts)
+    p = _probs(scores)
+    for b in range(B):
+        for h in range(H):
+            row = p[b, h, keys[b, h]]
+            assert torch.equal(theta[b, h], masked_quantile(row, None, float(tau[b, h])))

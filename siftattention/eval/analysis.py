@@ -18,7 +18,7 @@ separately, with an extra fit restricted to S <= window (where sliding and globa
 attention see the same keys).
 
 Quantiles. Linear interpolation between order statistics over the causally valid keys
-(``torch.quantile``'s rule, the same as ``powerlaw.masked_quantile``). All taus come
+(``torch.quantile``'s rule, interpolated by ``powerlaw.quantile_of_sorted``). All taus come
 from one sort per row; rows are sorted in blocks cut to the keys that block can see,
 with numpy's (SIMD) sort, which is several times faster than ``torch.sort`` on CPU.
 """
@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from ..methods.base import Method, Rows, Selection
-from ..powerlaw import fit_power_law
+from ..powerlaw import fit_power_law, quantile_of_sorted
 
 #: Percentiles reported for every R^2 distribution (the paper's box plots: 5/25/50/75/95).
 PERCENTILES = {"p5": 5.0, "p25": 25.0, "median": 50.0, "p75": 75.0, "p95": 95.0}
@@ -109,24 +109,11 @@ def check_lengths(seq_len: int, num_seqs: int) -> None:
 
 def _sorted_block_quantiles(probs: np.ndarray, valid: np.ndarray, taus: Sequence[float]) -> np.ndarray:
     """Quantiles [B, H, r, T] of a block [B, H, r, k] over its valid keys (valid [B, 1|H, r, k])."""
-    n = valid.sum(-1)  # [B, 1|H, r]
     filled = np.where(valid, probs, np.float32(np.inf))  # invalid keys sort to the end
     filled.sort(axis=-1, kind="quicksort")  # numpy's SIMD sort for float32
-    nm1 = (np.maximum(n, 1) - 1).astype(np.float64)
-    out = np.empty(filled.shape[:-1] + (len(taus),), dtype=np.float32)
-    with np.errstate(invalid="ignore"):
-        for t, tau in enumerate(taus):
-            # The same arithmetic as torch.quantile / powerlaw.masked_quantile.
-            pos = tau * nm1
-            lo = np.floor(pos)
-            hi = np.ceil(pos).astype(np.int64)
-            frac = (pos - lo).astype(np.float32)
-            lo = lo.astype(np.int64)
-            shape = filled.shape[:-1] + (1,)
-            lo_val = np.take_along_axis(filled, np.broadcast_to(lo[..., None], shape), -1)[..., 0]
-            hi_val = np.take_along_axis(filled, np.broadcast_to(hi[..., None], shape), -1)[..., 0]
-            out[..., t] = np.where(n > 0, lo_val + (hi_val - lo_val) * frac, np.float32(0.0))
-    return out
+    ascending, n = torch.from_numpy(filled), torch.from_numpy(valid.sum(-1))
+    # The interpolation of every other quantile in the library (powerlaw.masked_quantile).
+    return torch.stack([quantile_of_sorted(ascending, n, tau) for tau in taus], -1).numpy()
 
 
 def row_quantiles(

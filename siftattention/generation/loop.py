@@ -81,7 +81,7 @@ class DecodeContext:
             ranges = self.windows[window] = (torch.empty_like(self.starts), torch.empty_like(self.steps),
                                              torch.empty_like(self.log_steps))
             self._fill_window(window, *ranges)
-        return KeyRange(self.seq_lens, *ranges)
+        return KeyRange(self.seq_lens, *ranges, window=window)
 
     def _fill_window(self, window: int, starts: torch.Tensor, steps: torch.Tensor, log_steps: torch.Tensor) -> None:
         torch.maximum(self.starts, self.seq_lens - window, out=starts)

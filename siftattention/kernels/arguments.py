@@ -1,5 +1,5 @@
-"""What every decode backend takes: the supported dtypes, the shape checks of a plan, and the
-power-law threshold given by its parts."""
+"""What every decode backend takes: the supported dtypes, the shape checks of a plan, the
+power-law threshold given by its parts, and when value-mean compensation applies."""
 
 from __future__ import annotations
 
@@ -36,3 +36,11 @@ def check_shape(batch: int, q_heads: int, kv_heads: int, max_len: int, head_dim:
         raise ValueError(f"q_heads ({q_heads}) must be a multiple of kv_heads ({kv_heads})")
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype} not supported; expected one of {DTYPES}")
+
+
+def check_compensation(compensate: bool, renormalize: bool) -> None:
+    """Value-mean compensation with renormalisation is a ValueError: the kept probabilities then sum
+    to 1, so there would be no pruned mass to compensate."""
+    if compensate and renormalize:
+        raise ValueError("value-mean compensation (vmc, value_sum) needs renormalize=False: after renormalisation "
+                         "the kept mass is 1 and there is nothing to compensate")

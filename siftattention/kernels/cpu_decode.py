@@ -122,33 +122,38 @@ _NO_TAU = torch.empty(0, dtype=torch.float64)
 
 def _run(mode: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, eta: torch.Tensor, tau: torch.Tensor,
          scale: float, seq_lens: torch.Tensor | None, starts: torch.Tensor | None, renormalize: bool,
-         gap: torch.Tensor = _NO_ETA, first: int = 0, last: int = 0) -> list[torch.Tensor]:
+         gap: torch.Tensor = _NO_ETA, first: int = 0, last: int = 0,
+         value_sum: torch.Tensor | None = None) -> list[torch.Tensor]:
     v_rows = v_cache if v_cache.stride(-1) == 1 else v_cache.contiguous()
+    vs = _NO_ETA if value_sum is None else value_sum.float().contiguous()
     return load().decode(q.contiguous(), k_cache, v_rows, eta, tau, float(scale), _index(seq_lens), _index(starts),
-                         bool(renormalize), mode, gap, int(first), int(last))
+                         bool(renormalize), mode, gap, int(first), int(last), vs)
 
 
 def sift_decode_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, eta: torch.Tensor, scale: float,
-                    seq_lens: torch.Tensor | None, renormalize: bool,
-                    starts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    seq_lens: torch.Tensor | None, renormalize: bool, starts: torch.Tensor | None = None,
+                    value_sum: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sift step: out [B, Hq, D] float32, kept [B, Hq] int32 (semantics of ``torch_ref.sift_decode_torch``).
 
-    ``seq_lens`` and ``starts``: int32 [B] tensors or None; ``eta``: float32 [B, Hq].
+    ``seq_lens`` and ``starts``: int32 [B] tensors or None; ``eta``: float32 [B, Hq]; ``value_sum``:
+    [B, Hkv, D] for value-mean compensation (``torch_ref.value_mean_term``), or None.
     """
-    out, kept, _ = _run(_SPARSE, q, k_cache, v_cache, eta.float().contiguous(), _NO_TAU, scale, seq_lens, starts, renormalize)
+    out, kept, _ = _run(_SPARSE, q, k_cache, v_cache, eta.float().contiguous(), _NO_TAU, scale, seq_lens, starts, renormalize,
+                        value_sum=value_sum)
     return out, kept
 
 
 def sift_anchored_decode_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, log_eta: torch.Tensor,
                              gap: torch.Tensor, scale: float, seq_lens: torch.Tensor | None, renormalize: bool,
-                             starts: torch.Tensor | None, first: int, last: int) -> tuple[torch.Tensor, torch.Tensor]:
+                             starts: torch.Tensor | None, first: int, last: int,
+                             value_sum: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sift step with the anchored normaliser (semantics of ``torch_ref.sift_anchored_decode_torch``):
     out [B, Hq, D] float32 and kept [B, Hq] int32; ``gap`` (float32 [B, Hq], contiguous) is read as
     the previous step's and overwritten with this step's."""
     if gap.dtype != torch.float32 or not gap.is_contiguous():
         raise ValueError("gap must be a contiguous float32 [B, Hq] tensor (it is updated in place)")
     out, kept, _ = _run(_ANCHORED, q, k_cache, v_cache, log_eta.float().contiguous(), _NO_TAU, scale, seq_lens, starts,
-                        renormalize, gap, first, last)
+                        renormalize, gap, first, last, value_sum)
     return out, kept
 
 

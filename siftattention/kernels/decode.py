@@ -20,6 +20,7 @@ import math
 import torch
 
 from .arguments import DTYPES as _DTYPES
+from .arguments import check_compensation
 from .plan import on_device, resolve_backend
 from .torch_ref import sift_decode_torch, sift_warmup_decode_torch
 
@@ -135,6 +136,7 @@ def sift_decode(
     starts: torch.Tensor | None = None,
     renormalize: bool = False,
     backend: str = "auto",
+    value_sum: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode step of SiftAttention.
 
@@ -155,6 +157,9 @@ def sift_decode(
         backend: "torch" (any device, fp32), "triton" (fused kernel), "cpu" (fused C++
             kernel, float32 CPU tensors), "auto" (Triton on CUDA tensors, "cpu" for float32
             CPU tensors where it builds, torch otherwise).
+        value_sum: [B, Hkv, D] float32, the sum of each KV head's value rows over the valid
+            keys, for value-mean compensation: the output gains ``(1 - kept mass) * value_sum / n``,
+            n the row's valid keys. Not with ``renormalize``.
 
     Returns:
         out [B, Hq, D] in q's dtype, kept [B, Hq] int32 (keys kept per head).
@@ -166,17 +171,31 @@ def sift_decode(
     scale_f, seq_lens, starts = _check_common(q, k_cache, v_cache, scale, seq_lens, starts)
     eta_t = _per_head(eta, "eta", q, torch.float32)
     _check_eta_not_nan(eta)
+    value_sum = _check_value_sum(value_sum, k_cache, renormalize)
     which = _resolve_backend(backend, q)
     if which == "torch":
-        return sift_decode_torch(q, k_cache, v_cache, eta_t, scale_f, seq_lens, renormalize, starts)
+        return sift_decode_torch(q, k_cache, v_cache, eta_t, scale_f, seq_lens, renormalize, starts, value_sum)
     if which == "cpu":
         from .cpu_decode import sift_decode_cpu
 
-        return sift_decode_cpu(q, k_cache, v_cache, eta_t, scale_f, seq_lens, renormalize, starts)
+        return sift_decode_cpu(q, k_cache, v_cache, eta_t, scale_f, seq_lens, renormalize, starts, value_sum)
     from .triton_decode import sift_decode_triton
 
     with on_device(q.device):
-        return sift_decode_triton(q, k_cache, v_cache, eta_t, scale_f, seq_lens, renormalize, starts=starts)
+        return sift_decode_triton(q, k_cache, v_cache, eta_t, scale_f, seq_lens, renormalize, starts=starts,
+                                  value_sum=value_sum)
+
+
+def _check_value_sum(value_sum: torch.Tensor | None, k_cache: torch.Tensor, renormalize: bool) -> torch.Tensor | None:
+    if value_sum is None:
+        return None
+    B, Hkv, _, D = k_cache.shape
+    if not isinstance(value_sum, torch.Tensor) or tuple(value_sum.shape) != (B, Hkv, D):
+        raise ValueError(f"value_sum must be [B, Hkv, D] = [{B}, {Hkv}, {D}], got {tuple(getattr(value_sum, 'shape', ()))}")
+    if not value_sum.dtype.is_floating_point or value_sum.device != k_cache.device:
+        raise ValueError("value_sum must be a floating tensor on the caches' device")
+    check_compensation(True, renormalize)
+    return value_sum.float().contiguous()
 
 
 def sift_warmup_decode(

@@ -21,6 +21,10 @@ Preconditions of the run methods (not checked, so that they stay cheap):
   every backend: output, kept count, warmup quantile and anchored gap, never NaN.
 - eta: ``<= 0`` keeps every valid key, ``>= 1`` (and NaN) only the row maximum; the row
   maximum (first one on ties) is always kept.
+- ``value_sum`` (sparse steps, value-mean compensation): [B, Hkv, D] float32 contiguous, the sum
+  of each KV head's value rows over the row's valid keys; the step's output gains
+  ``(1 - kept mass) * value_sum / n``, n the valid keys (``torch_ref.value_mean_term``). Not with
+  ``renormalize`` (the kept mass is then 1 by construction: nothing would be compensated).
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from typing import Any, Iterator
 
 import torch
 
-from .arguments import PowerLawThreshold, check_shape
+from .arguments import PowerLawThreshold, check_compensation, check_shape
 from .keybound import MAX_HEAD_DIM, Int8Keys, sift_keybound_decode_torch
 from .torch_ref import (anchor_gap_torch, dense_decode_torch, sift_anchored_decode_torch, sift_decode_torch,
                         sift_warmup_decode_torch)
@@ -158,16 +162,20 @@ class DecodeKernels:
 
     def sparse(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                eta: torch.Tensor | PowerLawThreshold, seq_lens: torch.Tensor,
-               starts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sift step: out [B, Hq, D] (q's dtype) and kept [B, Hq] int32 (keys kept per head)."""
+               starts: torch.Tensor | None = None, value_sum: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sift step: out [B, Hq, D] (q's dtype) and kept [B, Hq] int32 (keys kept per head);
+        ``value_sum``: value-mean compensation (module docstring)."""
+        check_compensation(value_sum is not None, self.renormalize)
         if self.backend == "triton":
             return self._launch(self._td.sparse, q, k_cache, v_cache, eta, self.scale, seq_lens, starts,
-                                self.renormalize, self.config)
+                                self.renormalize, self.config, value_sum=value_sum)
         if isinstance(eta, PowerLawThreshold):
             eta = eta.eta()
         if self.backend == "cpu":
-            return self._cpu.sift_decode_cpu(q, k_cache, v_cache, eta, self.scale, seq_lens, self.renormalize, starts)
-        return sift_decode_torch(q, k_cache, v_cache, eta, self.scale, seq_lens, self.renormalize, starts)
+            return self._cpu.sift_decode_cpu(q, k_cache, v_cache, eta, self.scale, seq_lens, self.renormalize, starts,
+                                             value_sum)
+        return sift_decode_torch(q, k_cache, v_cache, eta, self.scale, seq_lens, self.renormalize, starts, value_sum)
+
 
     def sparse_keybound(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, keys: Int8Keys,
                         eta: torch.Tensor | PowerLawThreshold, seq_lens: torch.Tensor,
@@ -211,19 +219,24 @@ class DecodeKernels:
     def sparse_anchored(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         threshold: PowerLawThreshold, gap: torch.Tensor, seq_lens: torch.Tensor,
                         starts: torch.Tensor | None, first: int, last: int,
-                        onepass: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                        onepass: bool | None = None,
+                        value_sum: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Sift step with the anchored normaliser (``Sift(normalizer="anchored")``): out and kept as ``sparse``.
 
         ``gap`` [B, Hq] float32 holds the previous step's gap (NaN: keep every key) and is
         overwritten with this step's. On Triton the step is either one pass over K and V
         (``triton_onepass``, planned on first use for each anchor count) or the two passes
         of ``sparse`` with the anchored threshold; ``onepass`` None takes the plan's choice
-        (``anchored_onepass``).
+        (``anchored_onepass``). The one-pass kernel has no value-mean compensation: with
+        ``value_sum`` the two passes run.
         """
+        check_compensation(value_sum is not None, self.renormalize)
         if self.backend == "triton":
-            if not (self.anchored_onepass if onepass is None else onepass):
+            if value_sum is not None and onepass:
+                raise ValueError("the one-pass anchored step has no value-mean compensation (value_sum)")
+            if value_sum is not None or not (self.anchored_onepass if onepass is None else onepass):
                 return self._launch(self._td.sparse, q, k_cache, v_cache, threshold, self.scale, seq_lens, starts,
-                                    self.renormalize, self.config, anchors=(gap, first, last))
+                                    self.renormalize, self.config, anchors=(gap, first, last), value_sum=value_sum)
             run = self._onepass.get((first, last))
             if run is None:  # planned on the first (eager) call, never inside a captured step
                 from .triton_onepass import OnePassPlan
@@ -236,9 +249,9 @@ class DecodeKernels:
         log_eta = threshold.log_alpha - threshold.beta * threshold.log_steps[:, None]
         if self.backend == "cpu":
             return self._cpu.sift_anchored_decode_cpu(q, k_cache, v_cache, log_eta, gap, self.scale, seq_lens,
-                                                      self.renormalize, starts, first, last)
+                                                      self.renormalize, starts, first, last, value_sum)
         out, kept, new_gap = sift_anchored_decode_torch(q, k_cache, v_cache, log_eta, gap, self.scale, seq_lens,
-                                                        self.renormalize, starts, first, last)
+                                                        self.renormalize, starts, first, last, value_sum)
         gap.copy_(new_gap)
         return out, kept
 
@@ -264,14 +277,16 @@ class DecodeKernels:
 
     def sparse_quantile(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         eta: torch.Tensor | PowerLawThreshold, tau: float, seq_lens: torch.Tensor,
-                        starts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                        starts: torch.Tensor | None = None,
+                        value_sum: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``sparse``'s out and kept, and theta [B, Hq]: the exact tau-quantile of the step's probabilities (as
         ``warmup``'s). On Triton the quantile selects from the scores the sparse step stored, so K and V
         are read once; elsewhere an exact ``warmup`` step measures it."""
         if self.backend == "triton":
+            check_compensation(value_sum is not None, self.renormalize)
             return self._launch(self._td.sparse_quantile, q, k_cache, v_cache, eta, self._tau_tensor(tau), self.scale,
-                                seq_lens, starts, self.renormalize, self.config)
-        out, kept = self.sparse(q, k_cache, v_cache, eta, seq_lens, starts)
+                                seq_lens, starts, self.renormalize, self.config, value_sum)
+        out, kept = self.sparse(q, k_cache, v_cache, eta, seq_lens, starts, value_sum)
         return out, kept, self.warmup(q, k_cache, v_cache, tau, seq_lens, starts)[1]
 
     def _tau_tensor(self, tau: torch.Tensor | float) -> torch.Tensor:

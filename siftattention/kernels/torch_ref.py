@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..powerlaw import masked_quantile
+
 
 def valid_keys(
     B: int, S: int, device: torch.device, seq_lens: torch.Tensor | None, starts: torch.Tensor | None
@@ -68,15 +70,16 @@ def _apply_v(p: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
     return out.reshape(B, Hq, D)
 
 
-def keep_mask(p: torch.Tensor, s: torch.Tensor, valid: torch.Tensor, eta: torch.Tensor) -> torch.Tensor:
+def keep_mask(p: torch.Tensor, s: torch.Tensor, valid: torch.Tensor, eta: torch.Tensor, on_scores: bool = False) -> torch.Tensor:
     """Keys kept: ``p > eta``, every valid key where ``eta <= 0``, and always the row maximum.
 
     (``eta <= 0`` is explicit: ``p > 0`` would drop keys whose float32 probability
     underflows to 0, where the logit test of the Triton kernels keeps them. ``eta >= 1``
-    and NaN keep the maximum only, as ``p > eta`` says.)
+    and NaN keep the maximum only, as ``p > eta`` says.) ``on_scores``: the threshold is on
+    the scaled scores instead, ``s > eta`` (-inf keeps every valid key).
     """
     e = eta[..., None].float()
-    keep = (p > e) | (e <= 0)
+    keep = s > e if on_scores else (p > e) | (e <= 0)
     keep.scatter_(-1, s.argmax(dim=-1, keepdim=True), True)  # first maximum, as the kernels
     return keep & valid
 
@@ -90,10 +93,12 @@ def sift_decode_torch(
     seq_lens: torch.Tensor | None,
     renormalize: bool,
     starts: torch.Tensor | None = None,
+    value_sum: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sparse step (module docstring); ``value_sum``: see ``value_mean_term``."""
     s, valid = _scores(q, k_cache, scale, seq_lens, starts)
     p = _probs(s)
-    return _kept_output(p, keep_mask(p, s, valid, eta), v_cache, renormalize, q.dtype)
+    return _kept_output(p, keep_mask(p, s, valid, eta), v_cache, renormalize, q.dtype, value_sum, valid)
 
 
 def _kept_weights(p: torch.Tensor, keep: torch.Tensor, renormalize: bool) -> torch.Tensor:
@@ -104,9 +109,27 @@ def _kept_weights(p: torch.Tensor, keep: torch.Tensor, renormalize: bool) -> tor
 
 
 def _kept_output(p: torch.Tensor, keep: torch.Tensor, v_cache: torch.Tensor, renormalize: bool,
-                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Output of the kept keys' probabilities (renormalised to their own mass if asked) and the kept counts."""
-    return _apply_v(_kept_weights(p, keep, renormalize), v_cache).to(dtype), keep.sum(dim=-1, dtype=torch.int32)
+                 dtype: torch.dtype, value_sum: torch.Tensor | None = None,
+                 valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Output of the kept keys' probabilities (renormalised to their own mass if asked) and the kept counts;
+    with ``value_sum`` (and the validity [B, Hq, S]) value-mean compensated (``value_mean_term``)."""
+    w = _kept_weights(p, keep, renormalize)
+    out = _apply_v(w, v_cache)
+    if value_sum is not None:
+        out = out + value_mean_term(w.sum(-1), value_sum, valid.sum(-1))
+    return out.to(dtype), keep.sum(dim=-1, dtype=torch.int32)
+
+
+def value_mean_term(mass: torch.Tensor, value_sum: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """Value-mean compensation of one decode step: ``(1 - mass) * value_sum / count`` per query head, [B, Hq, D].
+
+    ``mass`` [B, Hq]: the kept probability; ``value_sum`` [B, Hkv, D]: the sum of each KV head's valid value
+    rows; ``count`` [B, Hq]: how many valid keys. The pruned mass is spread evenly over the valid keys
+    (``methods.base.compensate_value_mean``'s rule, with V read once for the sum); 0 on a row without keys.
+    """
+    G = mass.shape[1] // value_sum.shape[1]
+    mean = value_sum.to(mass.dtype).repeat_interleave(G, 1) / count.clamp(min=1).to(mass.dtype)[..., None]
+    return torch.where((count > 0)[..., None], (1.0 - mass)[..., None] * mean, 0.0)
 
 
 def anchor_mask(valid: torch.Tensor, first: int, last: int) -> torch.Tensor:
@@ -144,12 +167,14 @@ def sift_anchored_decode_torch(
     starts: torch.Tensor | None,
     first: int,
     last: int,
+    value_sum: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sift with the anchored normaliser: keep keys with ``s > anchor_lse + gap + log(eta)``.
 
     ``log_eta`` [B, Hq] float32; ``gap`` [B, Hq] float32, the previous step's
     ``logsumexp(s) - anchor_lse`` (NaN: keep every key). The kept keys get the exact
-    normaliser (or their own mass with ``renormalize``); the row maximum is always kept.
+    normaliser (or their own mass with ``renormalize``, or value-mean compensation with ``value_sum``,
+    ``value_mean_term``); the row maximum is always kept.
     Returns out [B, Hq, D] in q's dtype, kept [B, Hq] int32 and this step's gap [B, Hq] float32.
     """
     s, valid = _scores(q, k_cache, scale, seq_lens, starts)
@@ -160,7 +185,7 @@ def sift_anchored_decode_torch(
     keep.scatter_(-1, s.argmax(dim=-1, keepdim=True), True)
     empty = lse == float("-inf")  # no valid key: nothing kept, output 0, gap 0
     p = torch.exp(s - lse[..., None]).masked_fill(empty[..., None], 0.0)
-    out, kept = _kept_output(p, keep & valid, v_cache, renormalize, q.dtype)
+    out, kept = _kept_output(p, keep & valid, v_cache, renormalize, q.dtype, value_sum, valid)
     return out, kept, _gap(lse, anchor_lse)
 
 
@@ -197,25 +222,6 @@ def dense_decode_torch(
     return out if mask is None else out.masked_fill(~mask.any(dim=-1)[:, None, None], 0.0)
 
 
-def quantile_of_valid(p: torch.Tensor, valid: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
-    """tau-quantile of each row of ``p`` over its valid entries, linear interpolation.
-
-    Same definition as ``torch.quantile`` (position ``tau * (n - 1)`` in ascending
-    order), but works with a different ``n`` per row and with rows longer than 2^24.
-    ``tau`` is a float64 tensor broadcastable to ``p.shape[:-1]``.
-    """
-    n = valid.sum(dim=-1)
-    srt = torch.sort(p.masked_fill(~valid, float("inf")), dim=-1).values
-    pos = tau.to(torch.float64) * (n - 1).to(torch.float64)
-    lo = pos.floor()
-    frac = (pos - lo).to(p.dtype)
-    lo_i = lo.long().clamp(min=0)
-    hi_i = torch.minimum(lo_i + 1, (n - 1).clamp(min=0))
-    a = srt.gather(-1, lo_i[..., None]).squeeze(-1)
-    b = srt.gather(-1, hi_i[..., None]).squeeze(-1)
-    return torch.lerp(a, b, frac).masked_fill(n == 0, 0.0)  # no valid entry: 0
-
-
 def sift_warmup_decode_torch(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -228,5 +234,5 @@ def sift_warmup_decode_torch(
     s, valid = _scores(q, k_cache, scale, seq_lens, starts)
     p = _probs(s)
     out = _apply_v(p, v_cache)
-    theta = quantile_of_valid(p, valid, tau)
+    theta = masked_quantile(p, valid, tau, host_sync=False)  # no host sync: a decode step
     return out.to(q.dtype), theta.float()

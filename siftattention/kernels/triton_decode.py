@@ -44,22 +44,24 @@ def _filter_or_reset(geo: dict, ws: Workspace, *args, **kwargs):
 
 
 def sparse(geo: dict, ws: Workspace, q, k_cache, v_cache, eta, scale: float, seq_lens, starts, renormalize: bool,
-           cfg: KernelConfig, anchors: tuple[torch.Tensor, int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sift decode step on prepared inputs: (out, kept). ``anchors``: see ``filter_pass``."""
+           cfg: KernelConfig, anchors: tuple[torch.Tensor, int, int] | None = None,
+           value_sum: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sift decode step on prepared inputs: (out, kept). ``anchors``, ``value_sum``: see ``filter_pass``."""
     if anchors is not None and not (geo["fused"] and isinstance(eta, PowerLawThreshold)):
         raise ValueError("the anchored two-pass step needs fused_combine and a PowerLawThreshold")
     pdl = geo["pdl"]
     scores_pass(geo, ws, q, k_cache, scale, seq_lens, starts, cfg, pdl, None if anchors is None else anchors[1:])
     out, kept = _filter_or_reset(geo, ws, v_cache, eta, seq_lens, starts, cfg, q.dtype, renormalize, True, pdl,
-                                 anchors)
+                                 anchors, value_sum=value_sum)
     return out, kept
 
 
 def sparse_quantile(geo: dict, ws: Workspace, q, k_cache, v_cache, eta, tau, scale: float, seq_lens, starts,
-                    renormalize: bool, cfg: KernelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    renormalize: bool, cfg: KernelConfig,
+                    value_sum: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A sparse step, then theta [B, Hq] from the scores its first pass left in the workspace: the exact
     quantile of the step's probabilities for one more pass over float32 scores, K and V read once."""
-    out, kept = sparse(geo, ws, q, k_cache, v_cache, eta, scale, seq_lens, starts, renormalize, cfg)
+    out, kept = sparse(geo, ws, q, k_cache, v_cache, eta, scale, seq_lens, starts, renormalize, cfg, value_sum=value_sum)
     return out, kept, quantile_pass(geo, ws, tau, seq_lens, starts, cfg)
 
 
@@ -101,10 +103,11 @@ def sift_decode_triton(
     renormalize: bool,
     cfg: KernelConfig | None = None,
     starts: torch.Tensor | None = None,
+    value_sum: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Inputs already validated by :func:`siftattention.kernels.sift_decode`."""
     cfg, geo, ws = _functional_setup(q, k_cache, cfg)
-    return sparse(geo, ws, q, k_cache, v_cache, eta, scale, seq_lens, starts, renormalize, cfg)
+    return sparse(geo, ws, q, k_cache, v_cache, eta, scale, seq_lens, starts, renormalize, cfg, value_sum=value_sum)
 
 
 def sift_warmup_decode_triton(

@@ -5,8 +5,8 @@ normaliser ``L``, turns eta into the log2-domain threshold ``M + log2(eta) + log
 (eta <= 0: keep every key; eta >= 1: the maximum only), compacts the positions of the rows
 that some head of the group keeps and gathers only those V rows (or streams with masked V
 loads when nothing is filtered). Partial outputs are already divided by ``L``, so splits add
-up: the last split program of each (batch, KV head) sums them, renormalises if asked and
-writes the output and the kept counts (``_combine_kernel`` does this as a launch of its own
+up: the last split program of each (batch, KV head) sums them, renormalises or adds the
+value-mean compensation if asked and writes the output and the kept counts (``_combine_kernel`` does this as a launch of its own
 when ``fused_combine`` is off). On Hopper it is launched with programmatic dependent launch:
 it is dispatched during the scores kernel's tail and each program waits only for the splits
 of its own row, so the V gathers of finished rows overlap the last K reads.
@@ -139,7 +139,7 @@ def _accumulate(acc, mass, s, idx, jm, thr, amax, m, g_mask, v_ptrs, vmask, DOT_
 @triton.jit
 def _filter_kernel(
     V, Scores, Mst, Lst, Ast, Mas, Las, Eta, Beta, LogSteps, Gap, Floor, SeqLens, Starts, Idx, Wc, Part, Cnt, Mass, Sem,
-    Arrive, Out, Kept,
+    Arrive, Out, Kept, ValueSum,
     stride_vb, stride_vh, stride_vs, stride_vd, stride_ob, stride_oh, stride_od,
     S_MAX, NUM_SPLITS1, NUM_SPLITS2,
     HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_GA: tl.constexpr,
@@ -150,7 +150,7 @@ def _filter_kernel(
     KEEP_ALL: tl.constexpr, POWER_LAW: tl.constexpr, COMPACT: tl.constexpr, DENSE_PCT: tl.constexpr,
     STAGES_B: tl.constexpr, FUSED_COMBINE: tl.constexpr, RESET_SYNC: tl.constexpr, RENORMALIZE: tl.constexpr,
     WRITE_KEPT: tl.constexpr, PDL: tl.constexpr, EVICT: tl.constexpr, CHUNK: tl.constexpr,
-    ANCHORED: tl.constexpr, FLOOR: tl.constexpr,
+    ANCHORED: tl.constexpr, FLOOR: tl.constexpr, VMC: tl.constexpr,
 ):
     """Pass 2 over one split of one (batch, KV head).
 
@@ -172,7 +172,8 @@ def _filter_kernel(
 
     With FUSED_COMBINE the last split program of each (batch, KV head) to finish
     (a counter in ``Sem``) sums the split partials and writes the output, which
-    saves the separate combine launch.
+    saves the separate combine launch. VMC: it also adds the pruned mass times the mean of
+    the row's valid value rows, from ``ValueSum`` [B, Hkv, D] (their float32 sum).
     """
     split = tl.program_id(0)
     bh = tl.program_id(1)
@@ -334,6 +335,9 @@ def _filter_kernel(
                 kept += tl.sum(tl.load(Cnt + pj, mask=m2, other=0, cache_modifier=".cg"), axis=0)
             if RENORMALIZE:  # the kept mass is 0 only on a row without keys, whose output stays 0
                 tot = tot / tl.where(ga_mask & (tot_mass > 0.0), tot_mass, 1.0)[:, None]
+            if VMC:
+                mean = _value_mean(ValueSum, bh, end_row - begin, offs_d, d_mask, D)
+                tot += (1.0 - tot_mass)[:, None] * mean[None, :]
             h = hkv * G + offs_ga
             tl.store(
                 Out + b.to(tl.int64) * stride_ob + h[:, None] * stride_oh + offs_d[None, :] * stride_od,
@@ -346,12 +350,21 @@ def _filter_kernel(
 
 
 @triton.jit
+def _value_mean(ValueSum, kv_row, n, offs_d, d_mask, D: tl.constexpr):
+    """The mean of the valid value rows of (batch, KV head) ``kv_row`` from their sum [B, Hkv, D] and
+    their count ``n``; 0 on a row without keys. Value-mean compensation adds (1 - kept mass) times it."""
+    vs = tl.load(ValueSum + kv_row.to(tl.int64) * D + offs_d, mask=d_mask, other=0.0)
+    return tl.where(n > 0, vs / tl.maximum(n, 1).to(tl.float32), 0.0)
+
+
+@triton.jit
 def _combine_kernel(
-    Part, Cnt, Mass, Out, Kept,
+    Part, Cnt, Mass, Out, Kept, ValueSum, SeqLens, Starts,
     stride_ob, stride_oh, stride_od,
-    NUM_SPLITS2,
-    HQ: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S2: tl.constexpr,
-    RENORMALIZE: tl.constexpr, WRITE_KEPT: tl.constexpr,
+    NUM_SPLITS2, S_MAX,
+    HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S2: tl.constexpr,
+    RENORMALIZE: tl.constexpr, WRITE_KEPT: tl.constexpr, VMC: tl.constexpr,
+    HAS_SEQ_LENS: tl.constexpr, HAS_STARTS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     b = row // HQ
@@ -364,9 +377,13 @@ def _combine_kernel(
         mask=s_mask[:, None], other=0.0,
     )
     out = tl.sum(part, axis=0)
-    if RENORMALIZE:  # the kept mass is 0 only on a row without keys, whose output stays 0
+    if RENORMALIZE or VMC:
         mass = tl.sum(tl.load(Mass + row * NUM_SPLITS2 + offs_s, mask=s_mask, other=0.0), axis=0)
+    if RENORMALIZE:  # the kept mass is 0 only on a row without keys, whose output stays 0
         out = out / tl.where(mass > 0.0, mass, 1.0)
+    if VMC:
+        begin, end = _row_range(SeqLens, Starts, b, S_MAX, HAS_SEQ_LENS, HAS_STARTS)
+        out += (1.0 - mass) * _value_mean(ValueSum, b * (HQ // G) + h // G, end - begin, offs_d, offs_d < D, D)
     tl.store(
         Out + b * stride_ob + h * stride_oh + offs_d * stride_od,
         out.to(Out.dtype.element_ty), mask=offs_d < D,
@@ -379,7 +396,7 @@ def _combine_kernel(
 def filter_pass(
     geo: dict, ws: Workspace, v_cache, eta, seq_lens, starts, cfg: KernelConfig, out_dtype: torch.dtype,
     renormalize: bool, want_kept: bool, pdl: bool, anchors: tuple[torch.Tensor, int, int] | None = None,
-    floor: torch.Tensor | None = None,
+    floor: torch.Tensor | None = None, value_sum: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Pass 2: threshold, compaction, V gather and (fused) the output; ``eta`` None keeps every key.
 
@@ -387,6 +404,8 @@ def filter_pass(
     ``anchors`` (gap, first, last): the anchored normaliser's threshold (``eta`` a
     ``PowerLawThreshold``); the gap [B, Hq] float32 is overwritten with this step's.
     ``floor`` [B, Hq] float32: a least log2-domain threshold per head (the key-bound step's).
+    ``value_sum``: [B, Hkv, D] float32 contiguous, the sum of each KV head's valid value rows, for
+    value-mean compensation (``torch_ref.value_mean_term``; not with ``renormalize``).
     """
     B, Hq, Hkv, S, D = geo["B"], geo["Hq"], geo["Hkv"], geo["S"], geo["D"]
     power_law = isinstance(eta, PowerLawThreshold)
@@ -405,7 +424,7 @@ def filter_pass(
         v_cache, ws.scores, ws.mst, ws.lst, ws.ast, ws.mas, ws.las, eta_arg, beta_arg, log_steps_arg, gap,
         floor if floor is not None else ws.mst, seq_lens if has_sl else ws.ast, starts if has_st else ws.ast,
         ws.idx, ws.wc, ws.part, ws.cnt, ws.mass, ws.sem, ws.arrive,
-        out, kept if kept is not None else ws.cnt,
+        out, kept if kept is not None else ws.cnt, value_sum if value_sum is not None else ws.mst,
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
         out.stride(0), out.stride(1), out.stride(2),
         S, geo["ns1"], geo["ns2"],
@@ -417,14 +436,17 @@ def filter_pass(
         POWER_LAW=power_law, COMPACT=compact, DENSE_PCT=cfg.dense_pct, STAGES_B=geo["STAGES_B"],
         FUSED_COMBINE=fused, RESET_SYNC=fused, RENORMALIZE=renormalize, WRITE_KEPT=want_kept,
         PDL=pdl, EVICT=cfg.evict, CHUNK=geo["CHUNK2"], ANCHORED=anchors is not None, FLOOR=floor is not None,
+        VMC=value_sum is not None,
         num_warps=cfg.warps2, num_stages=cfg.stages2, **geo["regs2"], **({"launch_pdl": True} if pdl else {}),
     )
     if not fused:
         launch(_combine_kernel, (B * Hq,),
             ws.part, ws.cnt, ws.mass, out, kept if kept is not None else ws.cnt,
-            out.stride(0), out.stride(1), out.stride(2), geo["ns2"],
-            HQ=Hq, D=D, BLOCK_D=geo["BLOCK_D"], BLOCK_S2=geo["BLOCK_S2"],
-            RENORMALIZE=renormalize, WRITE_KEPT=want_kept, num_warps=4,
+            value_sum if value_sum is not None else ws.mst, seq_lens if has_sl else ws.ast, starts if has_st else ws.ast,
+            out.stride(0), out.stride(1), out.stride(2), geo["ns2"], S,
+            HQ=Hq, G=geo["G"], D=D, BLOCK_D=geo["BLOCK_D"], BLOCK_S2=geo["BLOCK_S2"],
+            RENORMALIZE=renormalize, WRITE_KEPT=want_kept, VMC=value_sum is not None,
+            HAS_SEQ_LENS=has_sl, HAS_STARTS=has_st, num_warps=4,
         )
         ws.sync[:2].zero_()  # no fused reduction to zero them (a test and tuning mode only)
     return out, kept

@@ -11,6 +11,7 @@ from .h2o import H2O
 from .oracle import Oracle
 from .sift import Sift
 from .skip_softmax import SkipSoftmax
+from .threshold import ThresholdMethod
 from .top_theta import CalibrationError, TopTheta
 from .topk import TopK
 
@@ -18,16 +19,17 @@ METHODS: dict[str, type[Method]] = {cls.name: cls for cls in (Full, TopK, H2O, S
 
 SPEC_HELP = """Method spec grammar: NAME[:KEY=VALUE[,KEY=VALUE...]]
   full
-  topk:k=0.125[,renormalize=true]          keep the ceil(k*S) largest scores
+  topk:k=0.125[,renormalize=true][,vmc=false]   keep the ceil(k*S) largest scores
   h2o:k=0.125[,heavy_ratio=0.5]            heavy-hitter + recent eviction, budget k
   sift:tau=0.875,warmup=128[,renormalize=false][,warmup_source=prompt|decode|prefill]
        [,recalibrate_every=64][,recalibrate_decay=0.9][,warmup_tolerance=0][,warmup_min=16]
-       [,normalizer=exact|anchored][,anchor_first=64][,anchor_last=256]
-  oracle:tau=0.875[,renormalize=false]     exact per-step tau-quantile threshold
+       [,normalizer=exact|anchored][,anchor_first=64][,anchor_last=256][,vmc=false]
+  oracle:tau=0.875[,renormalize=false][,vmc=false]   exact per-step tau-quantile threshold
   toptheta:k=64[,renormalize=false][,vmc=true][,first_layers=2][,first_k=512][,sigma=0.1]
        [,calibration=c4][,calib_seqs=8][,calib_len=1024]   calibrated score thresholds (Top-theta)
   skipsoftmax:scale=16[,block=128][,per_head=false]   skip blocks far below the running max (BLASST)
-Booleans: true/false/1/0/yes/no."""
+vmc=true: V-mean compensation (the pruned probability mass times the mean of the valid value rows;
+  needs renormalize=false). Booleans: true/false/1/0/yes/no."""
 
 
 class SpecError(ValueError):
@@ -101,4 +103,4 @@ def parse_methods(specs: Sequence[str], option: str = "--method") -> list[tuple[
 
 
 __all__ = ["METHODS", "SPEC_HELP", "CalibrationError", "Full", "H2O", "Method", "Oracle", "Rows", "Selection", "Sift", "SkipSoftmax",
-           "SpecError", "TopK", "TopTheta", "parse_method", "parse_methods"]
+           "SpecError", "ThresholdMethod", "TopK", "TopTheta", "parse_method", "parse_methods"]

@@ -55,7 +55,7 @@ class Rows:
 class PromptChunk:
     """One layer's queries and keys of a prompt chunk, for a method that samples prompt rows itself.
 
-    query: [B, Hq, Q, D] the chunk's queries; key: [B, Hkv, K, D] every key so far (the cache).
+    query: [B, Hq, Q, D] the chunk's queries; key, value: [B, Hkv, K, D] every key and value so far (the cache).
     valid: [B, 1, Q, K] bool, the causally valid keys of each query row.
     prompt_steps: [B] int64, each sequence's whole prompt length in real tokens (its last prompt
              row's step), known before the prompt's last chunk is.
@@ -71,6 +71,7 @@ class PromptChunk:
     scaling: float
     bias: torch.Tensor | None = None
     softcap: float | None = None
+    value: torch.Tensor | None = None
     final: bool = True
 
     @property
@@ -78,6 +79,11 @@ class PromptChunk:
         """[B, Q] the step S of each query row (its number of valid keys)."""
         # Summed as bytes: torch converts a bool tensor to the sum's dtype first (2x slower on a long prompt's mask).
         return self.valid[:, 0].view(torch.uint8).sum(-1, dtype=torch.int32)
+
+    def value_sum(self) -> torch.Tensor:
+        """[B, Hkv, D] float32 sum of the value rows the chunk's last row attends to: the prompt so far,
+        without its left padding (and, on a sliding-window layer, only the window's rows)."""
+        return sum_value_rows(self.value, self.valid[:, 0, -1])
 
     def probs(self, batch: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Float32 softmax [Hq, n, K] of rows ``rows`` ([n] int64) of sequence ``batch`` over their valid keys,
@@ -110,6 +116,8 @@ class KeyRange:
     #: S and log S per row when the caller keeps them already (the fast loop updates them once a step).
     step_count: torch.Tensor | None = None  # [B] int32
     log_step_count: torch.Tensor | None = None  # [B] float32
+    #: the layer's sliding window (its valid range is at most this many keys ending at seq_lens), or None
+    window: int | None = None
     #: The layer's int8 key copy (``kernels.keybound.Int8Keys``) where the cache keeps one (the fast loop's, for
     #: ``Sift(keybound=True)``); None elsewhere.
     key_copy: Any = None
@@ -224,18 +232,46 @@ def check_bool(name: str, value: object) -> bool:
     return item
 
 
+def check_vmc(vmc: object, renormalize: bool) -> bool:
+    """``vmc`` as a bool; ValueError where it is set with ``renormalize``: the kept probabilities then sum
+    to 1, so there is no pruned mass to compensate."""
+    from ..kernels.arguments import check_compensation
+
+    vmc = check_bool("vmc", vmc)
+    check_compensation(vmc, renormalize)
+    return vmc
+
+
 def select_sequences(state: Any, index: torch.Tensor) -> Any:
-    """A dataclass state whose tensors all have one row per sequence, with rows ``index`` ([B] int64) taken."""
+    """A dataclass state whose tensors all have one row per sequence (None: not formed yet), with rows
+    ``index`` ([B] int64) taken."""
     from dataclasses import fields, replace
 
-    return replace(state, **{f.name: getattr(state, f.name).index_select(0, index.to(getattr(state, f.name).device))
-                             for f in fields(state)})
+    def take(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.index_select(0, index.to(t.device))
+
+    return replace(state, **{f.name: take(getattr(state, f.name)) for f in fields(state)})
 
 
 def keep_row_max(probs: torch.Tensor, keep: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """Add each row's largest probability (one key: the first argmax) so no row goes empty."""
     top = torch.zeros_like(keep).scatter_(-1, probs.argmax(dim=-1, keepdim=True), True)
     return (keep | top) & valid
+
+
+#: Keys per slice of ``sum_value_rows``: bounds the float32 copy of a long cache's values.
+VALUE_SUM_SLICE = 8192
+
+
+def sum_value_rows(value: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``sum_k weights[b, k] * value[b, h, k]`` in float32, [B, Hkv, D] (``value`` [B, Hkv, K, D], ``weights``
+    [B, K], a validity mask as such), a slice of keys at a time."""
+    B, H, K, D = value.shape
+    total = torch.zeros(B, H, 1, D, dtype=torch.float32, device=value.device)
+    for a in range(0, K, VALUE_SUM_SLICE):
+        w = weights[:, None, None, a:a + VALUE_SUM_SLICE].float()
+        total += torch.matmul(w, value[:, :, a:a + VALUE_SUM_SLICE].float())
+    return total[:, :, 0]
 
 
 def compensate_value_mean(weights: torch.Tensor, valid: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -254,7 +290,8 @@ class Method:
     renormalize: bool = False
     #: rows with S <= warmup (teacher-forced) or the first ``warmup`` decoded tokens are exact.
     warmup: int = 0
-    #: value-mean compensation (Top-theta): the pruned probability mass times the mean of the row's valid value rows is added to the output.
+    #: value-mean compensation: the pruned probability mass times the mean of the row's valid value rows
+    #: is added to the output (docs/design.md, "Value-mean compensation").
     vmc: bool = False
     #: parameters ``spec()`` names only where they differ from their defaults (options added later
     #: keep the specs, and the result file names made from them, of the methods that do not use them)

@@ -23,6 +23,10 @@ geometrically in step over the whole prompt, so decoding is sparse from its firs
 ``warmup_source="decode"`` is the paper's decode warmup (optionally adaptive, ``AdaptiveWarmup``).
 Every ``recalibrate_every`` sparse steps one step also measures its exact quantile and adds it to
 the fit's least-squares sums, every earlier point weighted down by ``recalibrate_decay``.
+
+``vmc=True`` (beyond the paper, with ``renormalize=False``): value-mean compensation, the pruned
+probability mass times the mean of the row's valid value rows added to the output
+(``ThresholdMethod``; a running sum of the value rows keeps the decode step's kernels sparse in V).
 """
 
 from __future__ import annotations
@@ -35,19 +39,22 @@ import torch
 from ..kernels.plan import DecodeKernels, PowerLawThreshold, resolve_backend
 from ..kernels.torch_ref import anchor_mask
 from ..powerlaw import PowerLawFit, PowerLawSums, fit_power_law, masked_quantile, predict_log
-from .base import (DecodeOutput, KeyRange, Method, PromptChunk, Rows, Selection, check_bool, check_fraction, check_int,
-                   check_real, keep_row_max, select_sequences)
+from .base import (DecodeOutput, KeyRange, PromptChunk, Rows, check_bool, check_fraction, check_int, check_real,
+                   check_vmc)
+from .threshold import RowThresholds, StepThreshold, ThresholdMethod, ThresholdState
 
 
 #: The longest warmup: its buffers are allocated whole ([batch, heads, warmup] per layer).
 MAX_WARMUP = 65536
 #: Soft bound on the float32 scores of one batch of sampled prompt rows ([H, rows, K]).
 PROMPT_CHUNK_ELEMENTS = 1 << 24
+#: The fields every threshold method's state has (value-mean compensation), none of them Sift's fit's.
+_VALUE_FIELDS = {f.name for f in fields(ThresholdState)}
 
 
 @dataclass
-class SiftState:
-    """Per-(sequence, head) state of one layer."""
+class SiftState(ThresholdState):
+    """Per-(sequence, head) state of one layer (and, with ``vmc``, the running value sum)."""
 
     thetas: torch.Tensor  # [B, H, w] recorded quantiles
     theta_steps: torch.Tensor  # [B, w] the step S of each recorded quantile
@@ -149,7 +156,7 @@ class AdaptiveWarmup:
 
 
 @dataclass
-class Sift(Method):
+class Sift(ThresholdMethod):
     """Power-law guided threshold: keep keys with p > alpha * S^-beta after a warmup."""
 
     tau: float = 0.875
@@ -163,11 +170,12 @@ class Sift(Method):
     recalibrate_decay: float = 0.9
     warmup_tolerance: float = 0.0
     warmup_min: int = 16
+    vmc: bool = False
     keybound: bool = False
     name = "sift"
     #: shown in ``spec()`` only where they differ from their defaults
     spec_optional: ClassVar[tuple[str, ...]] = ("normalizer", "anchor_first", "anchor_last", "recalibrate_every",
-                                                "recalibrate_decay", "warmup_tolerance", "warmup_min", "keybound")
+                                                "recalibrate_decay", "warmup_tolerance", "warmup_min", "vmc", "keybound")
     #: the prompt rows a decode calibrates on (``warmup_source="prompt"``)
     calibration: ClassVar[PromptCalibration] = PromptCalibration()
 
@@ -192,17 +200,17 @@ class Sift(Method):
         self.anchor_last = check_int("anchor_last", self.anchor_last, 0)
         if self.anchor_first + self.anchor_last == 0:
             raise ValueError("anchor_first + anchor_last must be at least 1")
+        self.vmc = check_vmc(self.vmc, self.renormalize)
         self.keybound = check_bool("keybound", self.keybound)
         if self.keybound and self.anchored:
             raise ValueError("keybound=True needs normalizer='exact' (the key-bound step computes the exact normaliser's bounds)")
+        if self.keybound and self.vmc:
+            raise ValueError("keybound=True does not compensate (vmc=True): the key-bound step has no value sum")
         # Host-side, set by each prompt: the decode step where the decode warmup ends (0: no decode warmup),
         # and whether the batch was calibrated on its prompts (only such fits recalibrate).
         self._warmup_end = 0 if self.warmup_source == "prefill" else self.warmup
         self._recalibrating = False
         self._prompt_plan: tuple[tuple, DecodeKernels] | None = None
-
-    def reorder_state(self, state: SiftState, index: torch.Tensor) -> SiftState:
-        return select_sequences(state, index)  # every field has one row per sequence
 
     @property
     def anchored(self) -> bool:
@@ -283,7 +291,7 @@ class Sift(Method):
         sums.add(steps.double()[:, None], theta, which[:, None], decay=self.recalibrate_decay)
         self._set_fit(state, sums.fit(), which)
 
-    def select(self, rows: Rows, state: SiftState) -> Selection:
+    def row_thresholds(self, rows: Rows, state: SiftState) -> RowThresholds:
         factor = self._anchored_factor(rows, state) if self.anchored else None
         # Index of each step row within its sequence's steps: warmup rows come first.
         order = state.count[:, None] + torch.cumsum(rows.is_step.long(), dim=1) - 1
@@ -294,14 +302,10 @@ class Sift(Method):
 
         approx = rows.is_step & ~warm & state.fitted[:, None]
         if not bool(approx.any()):
-            return Selection(keep=None, approx=approx)
+            return RowThresholds(None, approx)
         log_alpha, beta = self._row_fits(rows, state, approx)
         eta = predict_log(log_alpha, beta, rows.steps[:, None, :].float())  # [B, H, R]
-        if factor is not None:
-            eta = eta * factor
-        keep = keep_row_max(rows.probs, rows.probs > eta.unsqueeze(-1), rows.valid)
-        keep = torch.where(approx[:, None, :, None], keep, rows.valid)
-        return Selection(keep=keep, approx=approx)
+        return RowThresholds(eta if factor is None else eta * factor, approx)
 
     def _row_fits(self, rows: Rows, state: SiftState, approx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """log alpha and beta [B, H, R] that each row filters with: the fit as it stands, recalibrated
@@ -353,7 +357,8 @@ class Sift(Method):
         later = ("sparse", "recalibrate") if self._recalibrating and self.recalibrate_every else ("sparse",)
         return ("warmup", *later) if self.decode_phase(step) == "warmup" else later
 
-    def decode_step(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, keys: KeyRange, state: SiftState, phase: str, kernels: Any) -> DecodeOutput:
+    def step_threshold(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, keys: KeyRange,
+                       state: SiftState, phase: str, kernels: Any) -> StepThreshold:
         if phase == "warmup":
             out, theta = kernels.warmup(query, k_cache, v_cache, self.tau, keys.seq_lens, keys.starts)
             # Decode steps run in lockstep over the batch, so one slot index serves every row.
@@ -365,26 +370,31 @@ class Sift(Method):
                 self._watch_warmup(state)
             if self.anchored:
                 state.gap.copy_(kernels.warmup_gap(query, k_cache, keys.seq_lens, keys.starts, *self.anchors))
-            return DecodeOutput(out, None, False)
+            return StepThreshold(None, False, out=out)
+        anchors = (state.gap, *self.anchors) if self.anchored else None
+        return StepThreshold(self.power_law(state, keys), state.fitted, anchors=anchors)
+
+    def decode_step(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, keys: KeyRange,
+                    state: SiftState, phase: str, kernels: Any) -> DecodeOutput:
+        measured = phase == "recalibrate" and not self.anchored
+        keybound = phase == "sparse" and self.keybound and keys.key_copy is not None
+        if not (measured or keybound):
+            res = super().decode_step(query, k_cache, v_cache, keys, state, phase, kernels)
+            if phase == "recalibrate":  # the anchored one-pass step stores no scores: an exact step measures
+                _, theta = kernels.warmup(query, k_cache, v_cache, self.tau, keys.seq_lens, keys.starts)
+                self._recalibrate(state, keys.steps(), theta, state.calibrated)
+            return res
+        value_sum = self._step_values(state, v_cache, keys)
         threshold = self.power_law(state, keys)
-        if phase == "recalibrate" and not self.anchored:
-            # The step filters with the fit so far, then its exact quantile (from the scores the step
-            # computed anyway) joins the fit.
-            out, kept, theta = kernels.sparse_quantile(query, k_cache, v_cache, threshold, self.tau, keys.seq_lens,
-                                                       keys.starts)
-            self._recalibrate(state, keys.steps(), theta, state.calibrated)
+        if keybound:
+            out, kept = kernels.sparse_keybound(query, k_cache, v_cache, keys.key_copy, threshold, keys.seq_lens,
+                                                keys.starts)
             return DecodeOutput(out, kept, state.fitted)
-        if self.anchored:
-            out, kept = kernels.sparse_anchored(query, k_cache, v_cache, threshold, state.gap,
-                                                keys.seq_lens, keys.starts, *self.anchors)
-        elif self.keybound and keys.key_copy is not None:
-            out, kept = kernels.sparse_keybound(query, k_cache, v_cache, keys.key_copy, self.power_law(state, keys),
-                                                keys.seq_lens, keys.starts)
-        else:
-            out, kept = kernels.sparse(query, k_cache, v_cache, threshold, keys.seq_lens, keys.starts)
-        if phase == "recalibrate":
-            _, theta = kernels.warmup(query, k_cache, v_cache, self.tau, keys.seq_lens, keys.starts)
-            self._recalibrate(state, keys.steps(), theta, state.calibrated)
+        # The step filters with the fit so far, then its exact quantile (from the scores the step computed
+        # anyway) joins the fit.
+        out, kept, theta = kernels.sparse_quantile(query, k_cache, v_cache, threshold, self.tau, keys.seq_lens,
+                                                   keys.starts, value_sum)
+        self._recalibrate(state, keys.steps(), theta, state.calibrated)
         return DecodeOutput(out, kept, state.fitted)
 
     def _watch_warmup(self, state: SiftState) -> None:
@@ -419,8 +429,9 @@ class Sift(Method):
         for state in states:
             groups.setdefault((tuple(state.thetas.shape), state.thetas.device), []).append(state)
         for group in groups.values():
-            # The layers' rows side by side: one fit of [layers * B] rows.
-            joined = SiftState(*(torch.cat([getattr(s, f.name) for s in group]) for f in fields(SiftState)))
+            # The layers' rows side by side: one fit of [layers * B] rows (the value sums play no part).
+            joined = SiftState(**{f.name: torch.cat([getattr(s, f.name) for s in group])
+                                  for f in fields(SiftState) if f.name not in _VALUE_FIELDS})
             self._fit(joined, (joined.count >= 2) & ~joined.fitted)  # the adaptive warmup may end early
             batch = group[0].count.shape[0]
             for name in ("fitted", "beta", "r2", "log_alpha", "fit_sums"):
@@ -458,10 +469,13 @@ class Sift(Method):
             state.gap.copy_(torch.where(last.any(dim=1)[:, None], gap, state.gap))
 
     def observes_prompt(self) -> bool:
-        return self.warmup_source == "prompt"
+        return self.warmup_source == "prompt" or super().observes_prompt()
 
     def observe_prompt(self, chunk: PromptChunk, state: SiftState) -> None:
         """warmup_source='prompt': measure the quantiles of the chunk's sampled rows (``calibration``)."""
+        super().observe_prompt(chunk, state)
+        if self.warmup_source != "prompt":
+            return
         calibration = self.calibration
         state.calibrated.copy_(calibration.usable(chunk.prompt_steps))
         self._recalibrating = bool(state.calibrated.all())

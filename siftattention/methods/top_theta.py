@@ -27,8 +27,8 @@ from typing import Any, Callable, ClassVar
 
 import torch
 
-from .base import (DecodeOutput, KeyRange, Method, Rows, Selection, check_bool, check_int, check_real, compensate_value_mean,
-                   keep_row_max)
+from .base import KeyRange, Method, Rows, Selection, check_bool, check_int, check_real
+from .threshold import RowThresholds, StepThreshold, ThresholdMethod
 
 
 class CalibrationError(RuntimeError):
@@ -106,7 +106,7 @@ class TopThetaState:
 
 
 @dataclass
-class TopTheta(Method):
+class TopTheta(ThresholdMethod):
     """Keep keys whose score exceeds a threshold calibrated to keep about ``k`` keys per row."""
 
     k: int = 64
@@ -119,6 +119,7 @@ class TopTheta(Method):
     calib_seqs: int = 8
     calib_len: int = 1024
     name = "toptheta"
+    threshold_space = "score"
     spec_optional: ClassVar[tuple[str, ...]] = ("first_layers", "first_k", "sigma", "calibration", "calib_seqs", "calib_len")
 
     def __post_init__(self) -> None:
@@ -213,27 +214,21 @@ class TopTheta(Method):
     def reorder_state(self, state: TopThetaState, index: torch.Tensor) -> TopThetaState:
         return state  # the thresholds belong to the model, not to a sequence
 
-    def select(self, rows: Rows, state: TopThetaState) -> Selection:
-        theta = _lookup(state.thresholds, rows.steps).permute(0, 2, 1)[..., None]  # [B, H, R, 1]
-        keep = (rows.scores > theta) | theta.isnan()
-        keep = keep_row_max(rows.probs, keep, rows.valid)
-        return Selection(keep=keep, approx=rows.is_step & ~theta.isnan().all(1)[..., 0])
+    def row_thresholds(self, rows: Rows, state: TopThetaState) -> RowThresholds:
+        theta = _lookup(state.thresholds, rows.steps).permute(0, 2, 1)  # [B, H, R]
+        # A row whose every head is uncalibrated (NaN: n <= k) is exact; a NaN head keeps every key.
+        return RowThresholds(_dense_where_nan(theta), rows.is_step & ~theta.isnan().all(1))
 
     def decode_phase(self, step: int) -> str:
         return "sparse"
 
-    def decode_step(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, keys: KeyRange, state: TopThetaState, phase: str, kernels: Any) -> DecodeOutput:
-        from ..kernels.torch_ref import _apply_v, _kept_weights, _probs, _scores
+    def step_threshold(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, keys: KeyRange,
+                       state: TopThetaState, phase: str, kernels: Any) -> StepThreshold:
+        return StepThreshold(_dense_where_nan(_lookup(state.thresholds, keys.steps())))
 
-        scores, valid = _scores(query, k_cache, kernels.scale, keys.seq_lens, keys.starts)
-        probs = _probs(scores)
-        steps = keys.steps()
-        theta = _lookup(state.thresholds, steps)[..., None]  # [B, H, 1]
-        keep = keep_row_max(probs, (scores > theta) | theta.isnan(), valid)
-        weights = _kept_weights(probs, keep, self.renormalize)
-        if self.vmc:
-            weights = compensate_value_mean(weights, valid, steps.float()[:, None, None])
-        return DecodeOutput(_apply_v(weights, v_cache).to(query.dtype), keep.sum(-1, dtype=torch.int32), True)
 
+def _dense_where_nan(theta: torch.Tensor) -> torch.Tensor:
+    """The calibrated thresholds with NaN (no calibration: keep every key) as -inf, which keeps every key."""
+    return theta.nan_to_num(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
 
 __all__ = ["CalibrationError", "TopTheta"]

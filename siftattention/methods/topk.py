@@ -1,14 +1,18 @@
-"""Top-k attention (Gupta et al. 2021): keep the ceil(k*S) largest scores of each row."""
+"""Top-k attention (Gupta et al. 2021): keep the ceil(k*S) largest scores of each row.
+
+``vmc=True`` (with ``renormalize=False``) adds value-mean compensation: the pruned probability mass
+times the mean of the row's valid value rows. The decode step reads every value row anyway (a
+torch step), so the mean comes through the weights, with no running sum.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 
-from typing import Any
-
-from .base import DecodeOutput, KeyRange, Method, Rows, Selection, check_bool, check_fraction
+from .base import DecodeOutput, KeyRange, Method, Rows, Selection, check_bool, check_fraction, check_vmc, compensate_value_mean
 
 
 @dataclass
@@ -17,11 +21,14 @@ class TopK(Method):
 
     k: float = 0.125
     renormalize: bool = True
+    vmc: bool = False
     name = "topk"
+    spec_optional: ClassVar[tuple[str, ...]] = ("vmc",)
 
     def __post_init__(self) -> None:
         self.k = check_fraction("k", self.k, high_open=False)
         self.renormalize = check_bool("renormalize", self.renormalize)
+        self.vmc = check_vmc(self.vmc, self.renormalize)
 
     def budget(self, steps: torch.Tensor) -> torch.Tensor:
         """Keys kept at step S: ceil(k*S), at least 1 (computed in float64 to match the closed form)."""
@@ -52,4 +59,6 @@ class TopK(Method):
         weights = probs * keep
         if self.renormalize:
             weights = weights / weights.sum(-1, keepdim=True).clamp(min=torch.finfo(weights.dtype).tiny)
+        if self.vmc:
+            weights = compensate_value_mean(weights, valid, keys.steps().float()[:, None, None])
         return DecodeOutput(weighted_values(weights, v_cache, query.dtype), keep.sum(-1, dtype=torch.int32), True)

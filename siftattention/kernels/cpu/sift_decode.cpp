@@ -17,7 +17,8 @@
 //
 // Semantics (kernels/torch_ref.py): valid keys of row b are [starts[b], seq_lens[b]);
 // p = softmax over them; keep p > eta, every valid key where eta <= 0, and always the
-// first maximum; out = sum_kept p_i v_i (divided by the kept mass with renormalize).
+// first maximum; out = sum_kept p_i v_i (divided by the kept mass with renormalize), plus, given the
+// sum of each KV head's valid value rows, (1 - kept mass) * that sum / n (value-mean compensation).
 // The quantile is torch.quantile's linear rule at position tau * (n - 1), ascending.
 // A row without a valid key (start == seq_len) gives zeros: output, kept count, quantile and gap.
 
@@ -64,11 +65,13 @@ inline float row_max(const float* x, int64_t n) {
   return m;
 }
 
-// y[j] = exp(scale * x[j] - m); returns their sum in a fixed association (16 lanes,
-// then a fixed tree), so the same values always give the same bits.
-inline float exp_shift_sum(const float* x, float* y, int64_t n, float scale, float m) {
+// y[j] = exp(scale * (x[j] - xmax)); returns their sum in a fixed association (16 lanes,
+// then a fixed tree), so the same values always give the same bits. Shifting before scaling
+// makes y exactly 1 at the maximum: with scale * x[j] - scale * xmax the compiler may fuse a
+// multiply-add whose unrounded product leaves a residue there (p_max = 1 / z no longer holds).
+inline float exp_shift_sum(const float* x, float* y, int64_t n, float scale, float xmax) {
 #pragma omp simd
-  for (int64_t j = 0; j < n; ++j) y[j] = exp_nonpos(scale * x[j] - m);
+  for (int64_t j = 0; j < n; ++j) y[j] = exp_nonpos(scale * (x[j] - xmax));
   float acc[16] = {0};
   int64_t j = 0;
   for (; j + 16 <= n; j += 16) {
@@ -128,9 +131,11 @@ float quantile(const float* p, float* tmp, int64_t n, double tau) {
 
 // Returns {out [B, Hq, D] float32, kept [B, Hq] int32, theta [B, Hq] float32 (WARMUP; else empty)}.
 // ANCHORED: eta holds log eta, and gap [B, Hq] float32 is read and overwritten in place.
+// value_sum: [B, Hkv, D] float32 (SPARSE and ANCHORED without renormalize), or empty for none.
 std::vector<torch::Tensor> decode_cpu(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor eta,
                                       torch::Tensor tau, double scale, torch::Tensor seq_lens, torch::Tensor starts,
-                                      bool renormalize, int64_t mode, torch::Tensor gap, int64_t first, int64_t last) {
+                                      bool renormalize, int64_t mode, torch::Tensor gap, int64_t first, int64_t last,
+                                      torch::Tensor value_sum) {
   TORCH_CHECK(mode == SPARSE || mode == DENSE || mode == WARMUP || mode == ANCHORED, "unknown mode");
   TORCH_CHECK(q.dtype() == torch::kFloat32 && k.dtype() == torch::kFloat32 && v.dtype() == torch::kFloat32,
               "float32 tensors expected");
@@ -152,6 +157,10 @@ std::vector<torch::Tensor> decode_cpu(torch::Tensor q, torch::Tensor k, torch::T
               "gap must be float32 [B, Hq] and the anchor counts non-negative");
   TORCH_CHECK(mode != WARMUP || (tau.dtype() == torch::kFloat64 && tau.numel() == B * Hq && tau.is_contiguous()),
               "tau must be float64 [B, Hq]");
+  const bool compensate = value_sum.numel() > 0;
+  TORCH_CHECK(!compensate || (sparse && !renormalize && value_sum.dtype() == torch::kFloat32
+                              && value_sum.numel() == B * Hkv * D && value_sum.is_contiguous()),
+              "value_sum must be float32 [B, Hkv, D], for a sparse step without renormalize");
   auto out = torch::zeros({B, Hq, D}, q.options());
   auto kept = torch::zeros({B, Hq}, q.options().dtype(torch::kInt32));
   auto theta = mode == WARMUP ? torch::zeros({B, Hq}, q.options()) : torch::empty({0}, q.options());
@@ -176,6 +185,7 @@ std::vector<torch::Tensor> decode_cpu(torch::Tensor q, torch::Tensor k, torch::T
   const float* vp = v.data_ptr<float>();
   const float* ep = sparse ? eta.data_ptr<float>() : nullptr;
   float* gp = mode == ANCHORED ? gap.data_ptr<float>() : nullptr;
+  const float* vsp = compensate ? value_sum.data_ptr<float>() : nullptr;
   const double* tp = mode == WARMUP ? tau.data_ptr<double>() : nullptr;
   float* op = out.data_ptr<float>();
   int32_t* kp = kept.data_ptr<int32_t>();
@@ -205,8 +215,9 @@ std::vector<torch::Tensor> decode_cpu(torch::Tensor q, torch::Tensor k, torch::T
         const float* srow = s0 + g * W;
         float* eg = e.data() + g * L;
         // A positive scale keeps the order, so the scaled maximum is the scale times the raw one.
-        max_scaled[g] = sc * row_max(srow, L);
-        const float z = exp_shift_sum(srow, eg, L, sc, max_scaled[g]);
+        const float xmax = row_max(srow, L);
+        max_scaled[g] = sc * xmax;
+        const float z = exp_shift_sum(srow, eg, L, sc, xmax);
         inv_z[g] = 1.f / z;
         if (mode == ANCHORED) {
           const float gnew = std::log(z) - std::log(anchor_sum(eg, L, first, last));
@@ -276,6 +287,13 @@ std::vector<torch::Tensor> decode_cpu(torch::Tensor q, torch::Tensor k, torch::T
           for (int64_t d = 0; d < D; ++d) og[g * D + d] *= r;
         }
       }
+      if (compensate) {  // the pruned mass spread evenly over the L valid keys: V was read once for the sum
+        const float* vsum = vsp + task * D;
+        for (int64_t g = 0; g < G; ++g) {
+          const float c = (1.f - mass[g]) / static_cast<float>(L);
+          for (int64_t d = 0; d < D; ++d) og[g * D + d] += c * vsum[d];
+        }
+      }
     }
   });
   return {out, kept, theta};
@@ -284,5 +302,6 @@ std::vector<torch::Tensor> decode_cpu(torch::Tensor q, torch::Tensor k, torch::T
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode", &decode_cpu,
         "Fused decode step on the CPU, float32: mode 0 Sift (threshold eta), 1 exact, 2 exact and tau-quantile, "
-        "3 Sift with the anchored normaliser (log eta, gap in place, anchor counts)");
+        "3 Sift with the anchored normaliser (log eta, gap in place, anchor counts); value_sum: value-mean "
+        "compensation of modes 0 and 3");
 }
