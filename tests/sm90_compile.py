@@ -125,6 +125,8 @@ def run_steps(kern, case: tuple) -> None:
     if D <= MAX_HEAD_DIM:
         keys = Int8Keys(torch.empty(B, Hkv, S, D, dtype=torch.int8), torch.empty(B, Hkv, S))
         kern.sparse_keybound(q, k, v, keys, torch.full((B, Hq), 1e-3) if eta_tensor else power_law, seq_lens, starts)
+        keys = Int8Keys(*keys[:2], torch.ones(B, Hkv, D), torch.zeros(B, Hkv, D))  # per-channel scales and offsets
+        kern.sparse_keybound(q, k, v, keys, torch.full((B, Hq), 1e-3) if eta_tensor else power_law, seq_lens, starts)
     value_sum = None if renorm else torch.zeros(B, Hkv, D)  # value-mean compensation in the combine
     if value_sum is not None:
         kern.sparse(q, k, v, power_law, seq_lens, starts, value_sum)

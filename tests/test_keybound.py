@@ -16,8 +16,8 @@ import torch
 from conftest import run_interpreted_parts
 from test_kernels import range_case
 
-from siftattention.kernels.keybound import (MAX_HEAD_DIM, keybound_bytes, keybound_step_torch, quantize_keys,
-                                            score_bounds)
+from siftattention.kernels.keybound import (CHANNEL_FLOOR, MAX_HEAD_DIM, channel_ranges, keybound_bytes,
+                                            keybound_step_torch, quantize_keys, score_bounds)
 
 
 def seed(*key) -> int:
@@ -39,6 +39,11 @@ def extreme_keys(kind: str, B: int, Hkv: int, S: int, D: int, dtype: torch.dtype
         k = k * torch.finfo(dtype).tiny * 4  # near the normal / subnormal edge of the dtype
     elif kind == "mixed":
         k = k * torch.exp(torch.randn(B, Hkv, S, 1, generator=gen) * 3)  # rows of very different size
+    elif kind == "outliers":  # a few channels with a large offset (a key bias), others spread over decades
+        k = k * torch.exp(torch.randn(D, generator=gen) * 2)
+        k[..., [3, D - 5]] += 60.0
+    elif kind == "offsets":  # every channel off zero by far more than it varies
+        k = k + torch.randn(D, generator=gen) * 1e3
     return k.clamp(-big, big).to(dtype)
 
 
@@ -47,6 +52,24 @@ def scores64(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
     Hkv = k.shape[1]
     s = torch.matmul(q.double().reshape(B, Hkv, Hq // Hkv, D), k.double().transpose(-1, -2))
     return s.reshape(B, Hq, -1) * scale
+
+
+def fuzzed_query(kind: str, Hq: int, D: int, q_size: float, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    q = (torch.randn(2, Hq, D, generator=gen) * q_size).to(dtype)
+    if kind == "limits" and dtype == torch.float16:
+        q = q.clamp(-1, 1)  # q . k stays finite in float32
+    return q
+
+
+def checked_slack(q: torch.Tensor, k: torch.Tensor, keys, kind: str) -> float:
+    """Assert s_hat - e <= s <= s_hat + e (float64 s of the stored key); the largest |s - s_hat| / e."""
+    D = q.shape[-1]
+    s_hat, e = score_bounds(q, keys, D**-0.5)
+    s = scores64(q, k, D**-0.5)
+    assert bool(torch.isfinite(s_hat).all() and torch.isfinite(e).all()), kind
+    lo, hi = s_hat.double() - e.double(), s_hat.double() + e.double()
+    assert bool((lo <= s).all() and (s <= hi).all()), (kind, float((s - hi).max()), float((lo - s).max()))
+    return float(((s - s_hat.double()).abs() / e.double().clamp_min(1e-300)).max())
 
 
 @pytest.mark.parametrize("D", [64, 128, 256])
@@ -58,22 +81,59 @@ def test_bound_is_sound_on_fuzzed_keys(D, dtype):
     for (Hq, Hkv), kind in zip([(4, 4), (4, 2), (8, 2), (6, 1), (8, 1)] * 2,
                                ["random", "huge_channel", "zeros", "limits", "tiny", "mixed"] * 2):
         gen = torch.Generator().manual_seed(seed(D, str(dtype), Hq, Hkv, kind))
-        S = 37
-        k = extreme_keys(kind, 2, Hkv, S, D, dtype, gen)
+        k = extreme_keys(kind, 2, Hkv, 37, D, dtype, gen)
+        keys = quantize_keys(k)
         for q_size in (1.0, 300.0):
-            q = (torch.randn(2, Hq, D, generator=gen) * q_size).to(dtype)
-            if kind == "limits" and dtype == torch.float16:
-                q = q.clamp(-1, 1)  # q . k stays finite in float32
-            scale = D**-0.5
-            s_hat, e = score_bounds(q, quantize_keys(k), scale)
-            s = scores64(q, k, scale)
-            assert bool(torch.isfinite(s_hat).all() and torch.isfinite(e).all()), kind
-            lo, hi = s_hat.double() - e.double(), s_hat.double() + e.double()
-            assert bool((lo <= s).all() and (s <= hi).all()), (kind, float((s - hi).max()), float((lo - s).max()))
-            # And not loose: the slack used is at most the bound, which is 1/254 of the largest |s_hat| possible.
-            used = ((s - s_hat.double()).abs() / e.double().clamp_min(1e-300)).max()
-            worst = max(worst, float(used))
+            worst = max(worst, checked_slack(fuzzed_query(kind, Hq, D, q_size, dtype, gen), k, keys, kind))
+    # And not loose: the slack used is at most the bound, which is 1/254 of the largest |s_hat| possible.
     assert worst < 1.0
+
+
+PROMPT_CASES = ["random", "huge_channel", "zeros", "limits", "tiny", "mixed", "outliers", "offsets"]
+
+
+def beyond_prompt(k: torch.Tensor, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """Decode keys after the prompt's: channels far beyond the prompt's ranges, one it never used, zero rows."""
+    k = k.float().clone()
+    big = min(torch.finfo(dtype).max, 6e4)
+    k[:, :, :, 1] *= 1e3
+    k[:, :, ::2, 7] = torch.randn(k.shape[0], k.shape[1], (k.shape[2] + 1) // 2, generator=gen) * 50
+    k[:, :, 1::5] = 0.0
+    return k.clamp(-big, big).to(dtype)
+
+
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_channel_bound_is_sound_on_fuzzed_keys(D, dtype):
+    """Per-channel scales and offsets: s_hat - e <= s <= s_hat + e on the prompt's keys and on decode keys
+    quantised with the prompt's, whatever their range (channel 0 of every prompt is zero)."""
+    worst = 0.0
+    for i, kind in enumerate(PROMPT_CASES):
+        Hq, Hkv = [(4, 4), (4, 2), (8, 2), (6, 1), (8, 1)][i % 5]
+        gen = torch.Generator().manual_seed(seed("channel", D, str(dtype), kind))
+        prompt = extreme_keys(kind, 2, Hkv, 29, D, dtype, gen)
+        prompt[..., 0] = 0.0
+        decode = beyond_prompt(extreme_keys(kind, 2, Hkv, 23, D, dtype, gen), dtype, gen)
+        decode[..., 0] = torch.randn(decode.shape[:-1], generator=gen).to(dtype)
+        channel = channel_ranges(prompt)
+        assert bool((channel[0] >= CHANNEL_FLOOR).all() and (channel[0] <= 1).all())
+        for k, keys in ((prompt, quantize_keys(prompt, True)), (decode, quantize_keys(decode, channel))):
+            assert torch.equal(keys.channel, channel[0]) and torch.equal(keys.offset, channel[1])
+            for q_size in (1.0, 300.0):
+                worst = max(worst, checked_slack(fuzzed_query(kind, Hq, D, q_size, dtype, gen), k, keys, kind))
+    assert worst < 1.0
+
+
+def test_channel_bound_is_tighter_on_outlier_channels():
+    """Where a few channels carry a large offset the per-row bound grows with them; the per-channel one does not
+    (nor does it for channels whose ranges differ by decades)."""
+    gen = torch.Generator().manual_seed(11)
+    D = 128
+    k = extreme_keys("outliers", 1, 2, 512, D, torch.bfloat16, gen)
+    q = torch.randn(1, 8, D, generator=gen).to(torch.bfloat16)
+    _, e_row = score_bounds(q, quantize_keys(k), D**-0.5)
+    _, e_chan = score_bounds(q, quantize_keys(k, True), D**-0.5)
+    assert float(e_chan.mean()) < 0.3 * float(e_row.mean())
 
 
 def test_quantize_keys_edges():
@@ -85,7 +145,19 @@ def test_quantize_keys_edges():
     assert int(kq.values[0, 0, 1, 2]) == 127 and int(kq.values.abs().max()) <= 127
     assert bool((kq.scales >= 2.0**-126).all())  # zero rows keep a normal scale
     assert bool((kq.values[0, 0, 0] == 0).all())
-    assert kq.nbytes() == 3 * 8 + 3 * 4
+    assert kq.nbytes() == 3 * 8 + 3 * 4 and kq.channel is None
+    kc = quantize_keys(k, True)
+    assert kc.channel.shape == kc.offset.shape == (1, 1, 8) and float(kc.channel[0, 0, 2]) == 1.0
+    assert float(kc.offset[0, 0, 2]) == 65504.0 / 2
+    assert bool((kc.channel[0, 0, :2] == CHANNEL_FLOOR).all())  # near-constant channels keep the floor
+    assert abs(int(kc.values[0, 0, 1, 2])) == 127 and int(kc.values.abs().max()) <= 127
+    assert bool((kc.scales >= 2.0**-116).all())
+    step = kc.scales.double()[..., None] * kc.channel.double()[:, :, None, :]
+    err = (k.double() - kc.offset.double()[:, :, None, :] - step * kc.values.double()).abs()
+    assert bool((err <= step / 2 * (1 + 2.0**-14)).all())
+    assert kc.nbytes() == 3 * 8 + 3 * 4 + 2 * 8 * 4
+    zero = quantize_keys(torch.zeros(2, 1, 4, 8), True)  # no range at all: every channel scale 1, offset 0
+    assert bool((zero.channel == 1).all()) and bool((zero.offset == 0).all()) and bool((zero.values == 0).all())
 
 
 # ----------------------------------------------------------------------------- the step against float64
@@ -173,15 +245,21 @@ STEP_CASES = [  # B, Hq, Hkv, S, D
 
 @pytest.mark.parametrize("B,Hq,Hkv,S,D", STEP_CASES)
 @pytest.mark.parametrize("renorm", [False, True])
-def test_torch_step_matches_float64(B, Hq, Hkv, S, D, renorm):
-    gen = torch.Generator().manual_seed(seed(B, Hq, Hkv, S, D, renorm))
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_torch_step_matches_float64(B, Hq, Hkv, S, D, renorm, per_channel):
+    gen = torch.Generator().manual_seed(seed(B, Hq, Hkv, S, D, renorm) + per_channel)
     for dtype in (torch.float32, torch.float16):
         q, k, v, sl, st = range_case(B, Hq, Hkv, S, D, dtype, gen)
+        if per_channel:  # an offset channel; the ranges from the first third, the rest as decode keys
+            k[..., 2] += 8.0
+            keys = quantize_keys(k, channel_ranges(k[:, :, : S // 3]))
+        else:
+            keys = quantize_keys(k)
         valid = valid_of(B, S, sl, st)
         eta = planted_eta(scores64(q, k, D**-0.5), valid, gen)
         eta[0, 1 % Hq] = 0.0  # keep every key
         eta[-1, -1] = 1.0  # the maximum only
-        r = keybound_step_torch(q, k, v, quantize_keys(k), eta, D**-0.5, sl, renorm, st)
+        r = keybound_step_torch(q, k, v, keys, eta, D**-0.5, sl, renorm, st)
         tol = 1e-5 if dtype == torch.float32 else 1e-2
         res = check_step(q, k, v, eta, sl, st, renorm, r["out"], r["kept"], r["epsilon"], tol)
         assert res["kept_ok"] and res["err"] <= res["err_bound"], res
@@ -216,15 +294,20 @@ def test_keybound_bytes():
     b = keybound_bytes(2, 4, 1000, 128, 2, candidate_rows=800, v_rows=400)
     assert b["scan"] == 2 * 4 * 1000 * 132 and b["candidate_k"] == 800 * 256 and b["kept_v"] == 400 * 256
     assert b["dense"] == 2 * 2 * 4 * 1000 * 256 and math.isclose(b["vs_dense"], b["total"] / b["dense"])
+    c = keybound_bytes(2, 4, 1000, 128, 2, candidate_rows=800, v_rows=400, per_channel=True)
+    assert c["scan"] == b["scan"] + 2 * 4 * 128 * 8 and c["total"] == b["total"] + 2 * 4 * 128 * 8
 
 
 # ----------------------------------------------------------------------------- Triton, under the interpreter
 
-TRITON_CASES = [  # B, Hq, Hkv, S, D, dtype, power law: GQA 1, 2, 4, 6; odd lengths
-    (2, 4, 4, 37, 64, "float32", False),
-    (2, 8, 2, 53, 64, "float16", True),
-    (2, 6, 1, 29, 64, "bfloat16", False),
-    (1, 8, 2, 45, 128, "float16", False),
+TRITON_CASES = [  # B, Hq, Hkv, S, D, dtype, power law, per-channel scales: GQA 1, 2, 4, 6; odd lengths
+    (2, 4, 4, 37, 64, "float32", False, False),
+    (2, 8, 2, 53, 64, "float16", True, False),
+    (2, 6, 1, 29, 64, "bfloat16", False, False),
+    (1, 8, 2, 45, 128, "float16", False, False),
+    (2, 8, 2, 41, 64, "float16", False, True),  # q' split into two bf16 terms
+    (1, 6, 1, 33, 128, "bfloat16", True, True),
+    (2, 4, 4, 23, 64, "float32", False, True),  # q' in float32
 ]
 
 
@@ -236,16 +319,19 @@ def _triton_case(i: int) -> list[dict]:
     from siftattention.kernels.plan import PowerLawThreshold
     from siftattention.kernels.triton_decode import KernelConfig
 
-    B, Hq, Hkv, S, D, dt, law = TRITON_CASES[i]
+    B, Hq, Hkv, S, D, dt, law, per_channel = TRITON_CASES[i]
     dtype = getattr(torch, dt)
     gen = torch.Generator().manual_seed(seed("triton", i))
     q, k, v, sl, st = range_case(B, Hq, Hkv, S, D, dtype, gen)
+    if per_channel:  # outlier channels; the ranges from the first half, the rest quantised as decode keys
+        k[..., 1] += 6.0
+        k[..., D - 3] *= 20.0
     eta = planted_eta(scores64(q, k, D**-0.5), valid_of(B, S, sl, st), gen)
     eta[0, 1] = 0.0  # every key
     eta[-1, -1] = 1.0  # the maximum only
     if i == 2:
         eta[0, 2] = float("nan")  # the maximum only
-    keys = quantize_keys(k)
+    keys = quantize_keys(k, channel_ranges(k[:, :, : S // 2])) if per_channel else quantize_keys(k)
     rows = []
     for renorm in (False, True):
         kern = DecodeKernels.plan(batch=B, q_heads=Hq, kv_heads=Hkv, max_len=S, head_dim=D, dtype=dtype, device="cpu",
@@ -269,7 +355,7 @@ def _triton_worker(part: str) -> dict:
 @pytest.fixture(scope="module")
 def triton_rows():
     pytest.importorskip("triton")
-    parts = run_interpreted_parts(__file__, "--triton-worker", ["0,2", "1,3"])
+    parts = run_interpreted_parts(__file__, "--triton-worker", ["0,2,4", "1,3,5,6"])
     return [r for p in parts for r in p["rows"]]
 
 
@@ -299,8 +385,8 @@ def test_cuda_keybound_matches_float64_and_captures():
         keys = quantize_keys(k)
         kern = DecodeKernels.plan(batch=B, q_heads=Hq, kv_heads=Hkv, max_len=S, head_dim=D, dtype=dt, device=dev,
                                   scale=D**-0.5)
-        args = [x.to(dev) for x in (q, k, v)] + [type(keys)(*(x.to(dev) for x in keys)), eta.to(dev), sl.to(dev),
-                                                  st.to(dev)]
+        args = [x.to(dev) for x in (q, k, v)] + [type(keys)(*(x if x is None else x.to(dev) for x in keys)),
+                                                  eta.to(dev), sl.to(dev), st.to(dev)]
         out, kept = kern.sparse_keybound(*args)
         r = keybound_step_torch(q, k, v, keys, eta, D**-0.5, sl, False, st)
         res = check_step(q, k, v, eta, sl, st, False, out.cpu(), kept.cpu(), r["epsilon"],
@@ -347,6 +433,26 @@ def test_fixed_cache_keeps_the_int8_copy():
     assert torch.equal(layer.key_copy.scales[:, :, :10], fresh.scales)
     assert cache.key_copy_bytes() == 2 * 2 * 12 * (16 + 4)
     assert FixedCache(tiny_llama().config, 12).key_copy(0) is None
+
+
+def test_per_channel_copy_keeps_the_prompts_ranges():
+    """A per-channel copy takes its ranges from the prompt's write and quantises later writes (at host or
+    device positions) with them, as ``quantize_keys`` with the prompt's ranges does."""
+    from siftattention.kernels.keybound import new_int8_keys, write_int8_keys
+
+    gen = torch.Generator().manual_seed(4)
+    keys = new_int8_keys(2, 2, 12, 16, "cpu", per_channel=True)
+    assert bool((keys.channel == 1).all() and (keys.offset == 0).all())
+    prompt = torch.randn(2, 2, 7, 16, generator=gen) + torch.linspace(-30, 30, 16)
+    write_int8_keys(keys, prompt, start=0, fix_channel=True)
+    ranges = channel_ranges(prompt)
+    assert torch.equal(keys.channel, ranges[0]) and torch.equal(keys.offset, ranges[1])
+    later = torch.randn(2, 2, 3, 16, generator=gen) * 40  # beyond the prompt's ranges
+    write_int8_keys(keys, later[:, :, :2], start=7)
+    write_int8_keys(keys, later[:, :, 2:], index=torch.tensor([9]))
+    fresh = quantize_keys(torch.cat([prompt, later], 2), ranges)
+    assert torch.equal(keys.values[:, :, :10], fresh.values) and torch.equal(keys.scales[:, :, :10], fresh.scales)
+    assert torch.equal(keys.channel, ranges[0])
 
 
 def test_sift_keybound_generates_through_the_fast_loop(monkeypatch):

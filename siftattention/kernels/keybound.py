@@ -10,6 +10,19 @@ so ``|k_i - c_i k_hat_i| <= c_i / 2`` in every channel. With ``sm`` the score sc
   absorbs float32 rounding (of ``k / c``, of the dot: at most ``2 * gamma_D * 127 |q|_1 c_i`` with
   ``gamma_D = D 2^-24 / (1 - D 2^-24)``, counting tensor cores' truncating adds twice, and of the
   few products and sums after it, each relative to ``|s_hat_i| <= 254 e_i``): under 2^-7 for D <= 256.
+- Per channel (``quantize_keys(k, channel)``; the per-row form is ``c = 1, o = 0``): per (batch row,
+  KV head) and channel an offset ``o_d`` (the midpoint of the channel's range) and a scale ``c_d`` in
+  [2^-10, 1] (its half-width over the widest channel's), fixed from the prompt's keys (``channel_ranges``);
+  per row a factor ``r_i = max(max_d |k_id - o_d| / c_d / 127, 2^-116)`` and
+  ``k_hat_id = round((k_id - o_d) / c_d / r_i)``, so ``|k_id - o_d - r_i c_d k_hat_id| <= r_i c_d / 2``: a
+  channel's error follows its own spread, not the row's largest channel's nor a constant offset (a key
+  bias), and a key beyond the prompt's ranges only gets a larger ``r_i``. With ``q'_d = q_d c_d`` (once per
+  step): ``s_hat_i = sm (q . o) + sm r_i (q' . k_hat_i)`` and ``e_i = sm r_i |q'|_1 / 2 (1 + MARGIN) + e_o``,
+  ``e_o = sm |q| . |o| * OFFSET_ROUNDING`` bounding float32 rounding of ``q . o`` (``2 gamma_D``) and of
+  the sum it enters. Rounding the rest adds: the subtraction and two divisions move ``k_hat`` by at
+  most ``383 * 2^-24`` (``2^-14 e_i``), ``q'`` in float32 moves the dot by ``127 * 2^-24 |q'|_1`` (``2^-16
+  e_i``) and tensor cores' two bfloat16 terms of ``q'`` (``triton_keybound``) by ``2^-8 e_i``: within
+  ``MARGIN`` with the rest. ``(k - o) / c`` stays finite for ``|k| < 2^116`` (every float16 key).
 - ``LSE_lo = logsumexp(s_hat - e) <= LSE`` gives ``T_lo = LSE_lo + log(eta) - SLACK <= T``
   (``SLACK = 2^-10`` log2 units covers float32 rounding of the log-sum-exp, the kind of rounding
   the exact step's own threshold has). A key with ``s_hat_i + e_i <= T_lo`` cannot be kept, so
@@ -44,37 +57,79 @@ MAX_HEAD_DIM = 256
 #: Log2-domain amount T_lo is lowered by, for float32 rounding of its log-sum-exp.
 SLACK2 = 2.0**-10
 _TINY = 2.0**-126  # least normal float32: the scale stays normal, so k / c is correctly rounded
+#: Least per-channel scale, relative to the head's widest channel (channel scales lie in [2^-10, 1]).
+CHANNEL_FLOOR = 2.0**-10
+#: Bound on the relative float32 rounding of ``sm q . o`` and of its sum with the rest of ``s_hat``.
+OFFSET_ROUNDING = 2.0**-14
+_TINY_ROW = _TINY / CHANNEL_FLOOR  # r c_d >= 2^-126: normal, as the per-row scale
 _LN2 = 0.6931471805599453
 
 
 class Int8Keys(NamedTuple):
-    """The int8 copy of a key cache: ``values`` [B, Hkv, S, D] int8 and ``scales`` [B, Hkv, S] float32."""
+    """The int8 copy of a key cache: ``values`` [B, Hkv, S, D] int8, ``scales`` [B, Hkv, S] float32 (one per
+    key row) and, for the per-channel form, ``channel`` and ``offset`` [B, Hkv, D] float32 (per KV head)."""
 
     values: torch.Tensor
     scales: torch.Tensor
+    channel: torch.Tensor | None = None
+    offset: torch.Tensor | None = None
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self)
+        return sum(t.numel() * t.element_size() for t in self if t is not None)
 
 
-def quantize_keys(k: torch.Tensor) -> Int8Keys:
-    """Symmetric int8 per key row (the last axis): scale ``max(max|k| / 127, 2^-126)`` in float32."""
+def channel_ranges(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel scales ``c_d`` and offsets ``o_d`` [B, Hkv, D] float32 of keys ``k`` [B, Hkv, n, D]: ``o``
+    the midpoint of each channel's range over the rows, ``c`` its half-width over the widest channel's,
+    floored at ``CHANNEL_FLOOR`` (all ones for constant keys)."""
     kf = k.to(torch.float64 if k.dtype == torch.float64 else torch.float32)
-    scales = (kf.abs().amax(-1) / QMAX).clamp_min(_TINY)
-    values = torch.round(kf / scales[..., None]).clamp_(-QMAX, QMAX).to(torch.int8)
-    return Int8Keys(values, scales.float())
+    hi, lo = kf.amax(2), kf.amin(2)
+    offset = (hi / 2 + lo / 2).float()  # halves first: no overflow at the dtype's limits
+    half = (kf - offset.to(kf.dtype)[:, :, None, :]).abs().amax(2)
+    top = half.amax(-1, keepdim=True)
+    c = torch.where(top > 0, half / torch.where(top > 0, top, 1.0), 1.0)
+    return c.clamp_min(CHANNEL_FLOOR).float(), offset
 
 
-def new_int8_keys(batch: int, kv_heads: int, max_len: int, head_dim: int, device: torch.device | str) -> Int8Keys:
-    """An empty copy for a cache of ``max_len`` positions (zero keys: scale 2^-126, values 0)."""
+def quantize_keys(k: torch.Tensor, channel: tuple[torch.Tensor, torch.Tensor] | bool | None = None) -> Int8Keys:
+    """Symmetric int8 per key row (the last axis). Per row: scale ``max(max|k| / 127, 2^-126)`` in float32.
+    With ``channel`` (scales and offsets ``(c, o)`` from ``channel_ranges``, or True to take them from ``k``):
+    row factor ``r = max(max_d |k_d - o_d| / c_d / 127, 2^-116)`` and ``k_hat = round((k - o) / c / r)``, so
+    that ``|k_d - o_d - r c_d k_hat_d| <= r c_d / 2``; rows beyond the channels' ranges only get a larger ``r``."""
+    kf = k.to(torch.float64 if k.dtype == torch.float64 else torch.float32)
+    if channel is None or channel is False:
+        scales = (kf.abs().amax(-1) / QMAX).clamp_min(_TINY)
+        values = torch.round(kf / scales[..., None]).clamp_(-QMAX, QMAX).to(torch.int8)
+        return Int8Keys(values, scales.float())
+    c, o = channel_ranges(k) if channel is True else channel
+    x = (kf - o.to(kf.dtype)[:, :, None, :]) / c.to(kf.dtype)[:, :, None, :]
+    scales = (x.abs().amax(-1) / QMAX).clamp_min(_TINY_ROW)
+    values = torch.round(x / scales[..., None]).clamp_(-QMAX, QMAX).to(torch.int8)
+    return Int8Keys(values, scales.float(), c.float(), o.float())
+
+
+def new_int8_keys(batch: int, kv_heads: int, max_len: int, head_dim: int, device: torch.device | str,
+                  per_channel: bool = False) -> Int8Keys:
+    """An empty copy for a cache of ``max_len`` positions (zero keys: the least scale, values 0; with
+    ``per_channel`` channel scales of one and offsets of zero until the prompt's write fixes them)."""
+    shape = (batch, kv_heads, head_dim)
+    channel = torch.ones(shape, device=device) if per_channel else None
+    offset = torch.zeros(shape, device=device) if per_channel else None
     return Int8Keys(torch.zeros(batch, kv_heads, max_len, head_dim, dtype=torch.int8, device=device),
-                    torch.full((batch, kv_heads, max_len), _TINY, dtype=torch.float32, device=device))
+                    torch.full((batch, kv_heads, max_len), _TINY_ROW if per_channel else _TINY, dtype=torch.float32,
+                               device=device), channel, offset)
 
 
-def write_int8_keys(keys: Int8Keys, k: torch.Tensor, start: int | None = None, index: torch.Tensor | None = None) -> None:
+def write_int8_keys(keys: Int8Keys, k: torch.Tensor, start: int | None = None, index: torch.Tensor | None = None,
+                    fix_channel: bool = False) -> None:
     """Quantise ``k`` [B, Hkv, n, D] into ``keys`` at positions ``[start, start + n)`` or at the device
-    positions ``index`` [n] (no host sync: the fast loop's one-token writes)."""
-    new = quantize_keys(k)
+    positions ``index`` [n] (no host sync: the fast loop's one-token writes). A per-channel copy takes
+    its channel scales and offsets from ``k`` where ``fix_channel`` (the prompt's write), else keeps them."""
+    if keys.channel is not None and fix_channel:
+        c, o = channel_ranges(k)
+        keys.channel.copy_(c)
+        keys.offset.copy_(o)
+    new = quantize_keys(k, None if keys.channel is None else (keys.channel, keys.offset))
     if index is not None:
         keys.values.index_copy_(2, index, new.values)
         keys.scales.index_copy_(2, index, new.scales)
@@ -85,15 +140,23 @@ def write_int8_keys(keys: Int8Keys, k: torch.Tensor, start: int | None = None, i
 
 
 def score_bounds(q: torch.Tensor, keys: Int8Keys, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``s_hat`` and ``e`` [B, Hq, S] (float32; float64 for float64 q): ``|sm q.k_i - s_hat_i| <= e_i``."""
+    """``s_hat`` and ``e`` [B, Hq, S] (float32; float64 for float64 q): ``|sm q.k_i - s_hat_i| <= e_i``.
+    Per channel the query is scaled once, ``q'_d = q_d c_d``: ``s_hat = sm (q . o) + sm r (q' . k_hat)`` and
+    ``e = sm r |q'|_1 / 2 (1 + MARGIN) + e_o``."""
     B, Hq, D = q.shape
     Hkv, S = keys.values.shape[1], keys.values.shape[2]
     G = Hq // Hkv
     acc = _acc_dtype(q)
     qf = q.to(acc).reshape(B, Hkv, G, D)
+    shift = err = 0.0
+    if keys.channel is not None:
+        o = keys.offset.to(acc)[:, :, None, :]
+        shift = (qf * o).sum(-1, keepdim=True) * scale  # [B, Hkv, G, 1]
+        err = (qf * o).abs().sum(-1, keepdim=True) * (scale * OFFSET_ROUNDING)
+        qf = qf * keys.channel.to(acc)[:, :, None, :]
     c = keys.scales.to(acc)[:, :, None, :]  # [B, Hkv, 1, S]
-    s_hat = torch.matmul(qf, keys.values.to(acc).transpose(-1, -2)) * c * scale
-    e = qf.abs().sum(-1)[..., None] * c * (0.5 * scale * (1 + MARGIN))
+    s_hat = torch.matmul(qf, keys.values.to(acc).transpose(-1, -2)) * c * scale + shift
+    e = qf.abs().sum(-1)[..., None] * c * (0.5 * scale * (1 + MARGIN)) + err
     return s_hat.reshape(B, Hq, S), e.reshape(B, Hq, S)
 
 
@@ -156,13 +219,14 @@ def sift_keybound_decode_torch(
 
 
 def keybound_bytes(batch: int, kv_heads: int, keys: int | float, head_dim: int, elem_bytes: int,
-                   candidate_rows: int | float, v_rows: int | float) -> dict[str, float]:
+                   candidate_rows: int | float, v_rows: int | float, per_channel: bool = False) -> dict[str, float]:
     """Bytes one key-bound step must read: the int8 keys and their scales (``keys`` valid positions per
-    (batch, KV head) row), the candidates' full K rows and the kept V rows (both counts summed over the
-    batch and KV heads), against the dense step's K + V. The float32 scores it writes and reads back
-    (as the exact step does) are not counted: they may stay in L2."""
+    (batch, KV head) row; ``per_channel``: and the channel scales and offsets of each (batch, KV head)), the candidates'
+    full K rows and the kept V rows (both counts summed over the batch and KV heads), against the dense
+    step's K + V. The float32 scores it writes and reads back (as the exact step does) are not counted:
+    they may stay in L2."""
     rows = batch * kv_heads * keys
-    scan = rows * (head_dim + 4)
+    scan = rows * (head_dim + 4) + (batch * kv_heads * head_dim * 8 if per_channel else 0)
     k_full = candidate_rows * head_dim * elem_bytes
     v = v_rows * head_dim * elem_bytes
     total = scan + k_full + v

@@ -183,9 +183,10 @@ class DecodeKernels:
         """Sift step that reads full keys only where an int8 bound cannot drop them (``keybound``): out and kept
         as ``sparse``, equal to it except keys within the step's epsilon of the threshold.
 
-        ``keys``: the int8 copy of ``k_cache`` (``keybound.quantize_keys``), values [B, Hkv, >= L, D] int8 and
-        scales [B, Hkv, >= L] float32. Its shapes are checked on every call (metadata only, no sync); the
-        Triton buffers are allocated on the first (eager) call. ``keybound_candidates()`` then gives the key
+        ``keys``: the int8 copy of ``k_cache`` (``keybound.quantize_keys``), values [B, Hkv, >= L, D] int8,
+        scales [B, Hkv, >= L] float32 and, per channel, channel scales and offsets [B, Hkv, D] float32 (or
+        None). Its shapes are checked on every call (metadata only, no sync); the Triton buffers are
+        allocated on the first (eager) call. ``keybound_candidates()`` then gives the key
         rows it read in full.
         """
         check_int8_keys(keys, k_cache, self.head_dim)
@@ -201,7 +202,7 @@ class DecodeKernels:
         if isinstance(eta, PowerLawThreshold):
             eta = eta.eta()
         L = k_cache.shape[2]
-        keys = Int8Keys(keys.values[:, :, :L], keys.scales[:, :, :L])
+        keys = Int8Keys(keys.values[:, :, :L], keys.scales[:, :, :L], keys.channel, keys.offset)
         out, kept, self._candidates = sift_keybound_decode_torch(q, k_cache, v_cache, keys, eta, self.scale, seq_lens,
                                                                  self.renormalize, starts)
         return out, kept
@@ -359,9 +360,9 @@ class DecodeKernels:
 
 def check_int8_keys(keys: Any, k_cache: torch.Tensor, head_dim: int) -> None:
     """Raise ValueError (one line) unless ``keys`` is an int8 copy that fits ``k_cache`` [B, Hkv, L, D]."""
-    if not isinstance(keys, tuple) or len(keys) != 2:
-        raise ValueError("keys must be an Int8Keys (values, scales) from keybound.quantize_keys")
-    values, scales = keys
+    if not isinstance(keys, Int8Keys):
+        raise ValueError("keys must be an Int8Keys from keybound.quantize_keys")
+    values, scales, channel, offset = keys
     B, Hkv, L, D = k_cache.shape
     if head_dim > MAX_HEAD_DIM:
         raise ValueError(f"the key-bound step supports head_dim <= {MAX_HEAD_DIM}, got {head_dim}")
@@ -371,5 +372,11 @@ def check_int8_keys(keys: Any, k_cache: torch.Tensor, head_dim: int) -> None:
         raise ValueError(f"key values {tuple(values.shape)} do not cover the cache {tuple(k_cache.shape)}")
     if tuple(scales.shape) != tuple(values.shape[:3]):
         raise ValueError(f"key scales {tuple(scales.shape)} must be {tuple(values.shape[:3])}")
-    if values.device != k_cache.device or scales.device != k_cache.device:
+    if (channel is None) != (offset is None):
+        raise ValueError("per-channel keys need both channel scales and offsets")
+    for t in (channel, offset) if channel is not None else ():
+        if t.dtype != torch.float32 or tuple(t.shape) != (B, Hkv, D) or t.stride() != channel.stride():
+            raise ValueError(f"channel scales and offsets must be float32 [{B}, {Hkv}, {D}] of one layout, got "
+                             f"{t.dtype} {tuple(t.shape)}")
+    if any(t is not None and t.device != k_cache.device for t in keys):
         raise ValueError("keys must be on the cache's device")

@@ -335,6 +335,7 @@ def _plan(
         BLOCK_D=max(16, _pow2(D)),
         prec="ieee" if dtype == torch.float32 else "tf32",
         upcast=dtype == torch.bfloat16 and interp,
+        interp=interp,
         # The sampled bracket's digit histograms: per row, a slice of 2**bits bins per digit.
         QBITS=qbits, QBRACKET=(-(-32 // qbits) << qbits) if bracket else 0,
         NQ=nq,
