@@ -8,6 +8,7 @@ One command on a CUDA machine, from the repository root:
     PYTHONPATH=. python3 benchmarks/bench_decode.py --check                       # GPU correctness suite
     PYTHONPATH=. python3 benchmarks/bench_decode.py --quick --keybound            # + the key-bound step (int8 key scan)
     PYTHONPATH=. python3 benchmarks/bench_decode.py --check --keybound            # + its correctness cases
+    PYTHONPATH=. python3 benchmarks/bench_decode.py --quick --keybound channel    # per-channel int8 scales and offsets
     PYTHONPATH=. python3 benchmarks/bench_decode.py --tune                        # per-pass config sweep
     PYTHONPATH=. python3 benchmarks/bench_decode.py --tune-grid                   # whole-step KernelConfig grid
     PYTHONPATH=. python3 benchmarks/bench_decode.py --ncu --batch 8 --seq 32768   # DRAM bytes (Nsight Compute)
@@ -313,7 +314,7 @@ def run_check(args):
                 fails += not ok
                 rows.append(dict(case=[B, Hq, Hkv, S, D, str(dt), ragged, nc], sparsity=sp, renorm=renorm, err=err, kept_ok=kept_ok, ok=ok))
                 if args.keybound and D <= 256:
-                    row = keybound_check(q, k, v, eta, sl, kept_ref, renorm, tol)
+                    row = keybound_check(q, k, v, eta, sl, kept_ref, renorm, tol, args.keybound == "channel")
                     fails += not row["ok"]
                     rows.append(dict(case=[B, Hq, Hkv, S, D, str(dt), ragged, nc], sparsity=sp, renorm=renorm, **row))
         # eta edges: <= 0 keeps every valid key, >= 1 the maximum only, in both backends
@@ -368,14 +369,14 @@ def run_check(args):
     return rows, fails
 
 
-def keybound_check(q, k, v, eta, sl, kept_ref, renorm, tol) -> dict:
+def keybound_check(q, k, v, eta, sl, kept_ref, renorm, tol, per_channel=False) -> dict:
     """The planned key-bound step against float64: each head's kept count off the exact rule's by at most its
     keys within epsilon of the threshold, the output within tol and the normaliser's factor exp(epsilon)."""
     B, Hq, D = q.shape
     S = k.shape[2]
     kern = planned(q, k, renormalize=renorm)
     sl_i = full_lens(B, S) if sl is None else sl.int()
-    keys = quantize_keys(k)
+    keys = quantize_keys(k, per_channel)
     out, kept = kern.sparse_keybound(q, k, v, keys, eta.float(), sl_i)
     ref = keybound_step_torch(q, k, v, keys, eta.float(), D**-0.5, sl_i, renorm)
     eps = ref["epsilon"]
@@ -647,7 +648,7 @@ def run_sweep(args, copy_bps):
             t_sdpa = bench(sdpa_decode, sets)
             t_warm = bench(lambda q, k, v: kern.warmup(q, k, v, 0.875, sl), sets)
         ths = [thresholds(q, k, args.sparsity) for (q, k, v) in sets]
-        kb_keys = [quantize_keys(k) for (q, k, v) in sets] if args.keybound else None
+        kb_keys = [quantize_keys(k, args.keybound == "channel") for (q, k, v) in sets] if args.keybound else None
         for j, sp in enumerate(args.sparsity):
             th = [t[j] for t in ths]
             etas = [t[0] for t in th]
@@ -725,7 +726,7 @@ def run_sweep(args, copy_bps):
                 flush=True,
             )
             if keybound:
-                print(f"  keybound: {keybound['keybound_graph_ms']:.4f} ms ({keybound['keybound_vs_sdpa_graph']:.3f}x sdpa, "
+                print(f"  keybound ({keybound['keybound_form']}): {keybound['keybound_graph_ms']:.4f} ms ({keybound['keybound_vs_sdpa_graph']:.3f}x sdpa, "
                       f"{keybound['keybound_vs_sift']:.3f}x exact sift, {keybound['keybound_vs_floor']:.2f}x its floor) "
                       f"candidates={keybound['keybound_candidates']:.3f} of key rows, bytes={keybound['keybound_bytes_vs_dense']:.3f} "
                       f"of dense (exact sift's floor {floor_bytes / dense:.3f}), int8 copy +{keybound['keybound_copy_vs_kv']:.3f} "
@@ -757,11 +758,13 @@ def keybound_cells(kern, sets, keys, etas, th, sl, union, t_sdpa, t_sift, copy_b
             eps = float(ref["epsilon"].max())
             err = max(rel_err(out[b], ref_out64(q, k, v, e, b)) for b in range(B))
             assert err < 1e-2 + 2 * math.expm1(eps), (err, eps)
-    fn = lambda q, k, v, e, kv, ks: kern.sparse_keybound(q, k, v, Int8Keys(kv, ks), e, sl)  # noqa: E731
+    fn = lambda q, k, v, e, *kq: kern.sparse_keybound(q, k, v, Int8Keys(*kq), e, sl)  # noqa: E731
     t = bench_graph(fn, [s + (e,) + tuple(kq) for s, e, kq in zip(sets, etas, keys)])
     rows = sum(cand) / len(cand)
-    nbytes = keybound_bytes(B, Hkv, S, D, k.element_size(), rows, union * B * Hkv * S)
-    return dict(keybound_graph_ms=t, keybound_vs_sdpa_graph=t / t_sdpa, keybound_vs_sift=t / t_sift,
+    nbytes = keybound_bytes(B, Hkv, S, D, k.element_size(), rows, union * B * Hkv * S,
+                            per_channel=keys[0].channel is not None)
+    return dict(keybound_form="channel" if keys[0].channel is not None else "row", keybound_graph_ms=t,
+                keybound_vs_sdpa_graph=t / t_sdpa, keybound_vs_sift=t / t_sift,
                 keybound_candidates=rows / (B * Hkv * S), keybound_bytes=nbytes["total"],
                 keybound_bytes_vs_dense=nbytes["vs_dense"], keybound_vs_floor=t * 1e-3 / (nbytes["total"] / copy_bps),
                 keybound_copy_vs_kv=keys[0].nbytes() / nbytes["dense"], keybound_eps_max=eps,
@@ -985,9 +988,11 @@ def main():
     ap.add_argument("--anchored", type=int, nargs="*", metavar="N",
                     help="also time Sift(normalizer='anchored')'s step, one-pass and two-pass (anchors FIRST LAST, default 64 256)")
     ap.add_argument("--check", action="store_true")
-    ap.add_argument("--keybound", action="store_true",
+    ap.add_argument("--keybound", nargs="?", const="row", choices=["row", "channel"],
                     help="also run the key-bound step (int8 key scan, full keys of the candidates only) beside the "
-                         "exact one: time, bytes, candidate fraction; with --check, its correctness cases")
+                         "exact one: time, bytes, candidate fraction; with --check, its correctness cases. 'channel': "
+                         "the int8 copy with per-channel scales and offsets (from the whole cache) instead of one "
+                         "scale per row")
     ap.add_argument("--config", type=kernel_overrides, metavar="JSON",
                     help='KernelConfig overrides for every mode (the sweep, --check, --ncu, --tune-grid\'s base), e.g. {"stages1": 4}')
     ap.add_argument("--tune", action="store_true")
