@@ -372,8 +372,10 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 @needs_cuda
-def test_cuda_keybound_matches_float64_and_captures():
-    """The planned key-bound step on the GPU with the device's own launch plan, eager and replayed from a CUDA graph."""
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_cuda_keybound_matches_float64_and_captures(per_channel):
+    """The planned key-bound step on the GPU with the device's own launch plan, eager and replayed from a CUDA
+    graph; per channel with an offset channel and the ranges of the first half of the keys."""
     from siftattention.kernels import DecodeKernels
 
     dev = torch.device("cuda")
@@ -381,8 +383,10 @@ def test_cuda_keybound_matches_float64_and_captures():
                                  (1, 12, 2, 8193, 128, torch.bfloat16), (2, 4, 1, 1031, 256, torch.float32)]:
         gen = torch.Generator().manual_seed(seed("cuda", B, Hq, S))
         q, k, v, sl, st = range_case(B, Hq, Hkv, S, D, dt, gen)
+        if per_channel:
+            k[..., 5] += 30.0
         eta = planted_eta(scores64(q, k, D**-0.5), valid_of(B, S, sl, st), gen)
-        keys = quantize_keys(k)
+        keys = quantize_keys(k, channel_ranges(k[:, :, : S // 2])) if per_channel else quantize_keys(k)
         kern = DecodeKernels.plan(batch=B, q_heads=Hq, kv_heads=Hkv, max_len=S, head_dim=D, dtype=dt, device=dev,
                                   scale=D**-0.5)
         args = [x.to(dev) for x in (q, k, v)] + [type(keys)(*(x if x is None else x.to(dev) for x in keys)),
