@@ -445,8 +445,9 @@ def workspace_at_rest(ws) -> bool:
                 and (ws.qsync == 0).all() and (ws.qnext == 2**31 - 1).all())
 
 
-def plan_results(device: str, backend: str, cases, config=None, seed_base: int = 31) -> list[dict]:
-    """DecodeKernels sparse / dense / warmup on ``cases`` against the float64 reference."""
+def plan_results(device: str, backend: str, cases, config=None, seed_base: int = 31, exact: bool = True) -> list[dict]:
+    """DecodeKernels sparse / dense / warmup on ``cases`` against the float64 reference; ``exact``
+    False: the sparse step only (dense and warmup as another config's run of the same cases)."""
     from siftattention.kernels import DecodeKernels
     from siftattention.kernels.plan import PowerLawThreshold
 
@@ -478,16 +479,17 @@ def plan_results(device: str, backend: str, cases, config=None, seed_base: int =
             pl_out, pl_kept = kern.sparse(*args, PowerLawThreshold(*(dev(x) for x in law)), dev(sl), dev(st))
             row.update(pl_err=rel(pl_out.cpu(), pl_ref), pl_kept_equal=bool(torch.equal(pl_kept.cpu(), pl_ref_kept)))
             if not renorm:  # dense, warmup and full ranges do not depend on renormalize
-                dense = kern.dense(*args, dev(sl), dev(st))
-                w_out, theta = kern.warmup(*args, tau, dev(sl), dev(st))
                 full = torch.full((B,), S, dtype=torch.int32)
                 ref_f, ref_kept_f, ref_dense_f, _ = ref_range(q, k, v, eta, scale, full, torch.zeros(B, dtype=torch.int32))
                 out_f, kept_f = kern.sparse(*args, dev(eta), dev(full))  # no starts
+                row.update(full_err=rel(out_f.cpu(), ref_f), full_kept_equal=bool(torch.equal(kept_f.cpu(), ref_kept_f)))
+            if not renorm and exact:
+                dense = kern.dense(*args, dev(sl), dev(st))
+                w_out, theta = kern.warmup(*args, tau, dev(sl), dev(st))
                 dense_f = kern.dense(*args, dev(full))
                 row.update(
                     dense_err=rel(dense.cpu(), ref_dense), warm_err=rel(w_out.cpu(), ref_dense),
                     theta_rel=float(((theta.cpu().double() - ref_th).abs() / ref_th).max()),
-                    full_err=rel(out_f.cpu(), ref_f), full_kept_equal=bool(torch.equal(kept_f.cpu(), ref_kept_f)),
                     full_dense_err=rel(dense_f.cpu(), ref_dense_f),
                     dtypes_ok=row["dtypes_ok"] and dense.dtype == dtype and theta.dtype == torch.float32,
                 )
@@ -499,16 +501,18 @@ def plan_results(device: str, backend: str, cases, config=None, seed_base: int =
     return res
 
 
-def check_plan_rows(rows, n_expected):
+def check_plan_rows(rows, n_expected, exact=True):
     assert len(rows) == n_expected
     for r in rows:
         tol = 1e-5 if r["dtype"] == "float32" else 1e-2
         assert r["err"] < tol and r["kept_equal"] and r["kept_equal_torch"], r
         assert r["pl_err"] < tol and r["pl_kept_equal"], r
         if not r["renorm"]:
-            for key in ("dense_err", "warm_err", "full_err", "full_dense_err"):
+            assert r["full_err"] < tol and r["full_kept_equal"], r
+        if not r["renorm"] and exact:
+            for key in ("dense_err", "warm_err", "full_dense_err"):
                 assert r[key] < tol, (key, r)
-            assert r["full_kept_equal"] and r["theta_rel"] < 1e-5, r
+            assert r["theta_rel"] < 1e-5, r
         assert r["dtypes_ok"] and r["sync_zero"], r
 
 
@@ -831,11 +835,13 @@ def _triton_failed_launch() -> dict:
 
 
 def _triton_plans(interleave: int) -> dict:
-    """DecodeKernels on ragged starts and lengths, contiguous or interleaved filter splits."""
+    """DecodeKernels on ragged starts and lengths, contiguous or interleaved filter splits (only the
+    filter pass interleaves: the dense and warmup steps of the interleaved plans would repeat the others')."""
     from siftattention.kernels.triton_decode import KernelConfig
 
     key = "plan_interleaved" if interleave else "plan"
-    return {key: plan_results("cpu", "triton", PLAN_CASES, KernelConfig(**{**SMALL, "interleave2": interleave}))}
+    config = KernelConfig(**{**SMALL, "interleave2": interleave})
+    return {key: plan_results("cpu", "triton", PLAN_CASES, config, exact=not interleave)}
 
 
 def _triton_persistent() -> dict:
@@ -1117,7 +1123,7 @@ def test_triton_radix_select_on_crafted_scores(triton_results):
 
 def test_triton_plan_matches_float64(triton_results):
     check_plan_rows(triton_results["plan"], 2 * len(PLAN_CASES))
-    check_plan_rows(triton_results["plan_interleaved"], 2 * len(PLAN_CASES))
+    check_plan_rows(triton_results["plan_interleaved"], 2 * len(PLAN_CASES), exact=False)
     for r in triton_results["persistent"]:
         assert r["persistent"] and r["out_equal"] and r["kept_equal"] and r["kept_ref"], r
         assert r["err"] < (1e-5 if r["dtype"] == "float32" else 1e-2), r
