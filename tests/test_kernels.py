@@ -754,7 +754,7 @@ def _triton_cases(indices) -> dict:
         k, v = k[:, :, 1 : S + 1], v[:, :, 1 : S + 1]  # strided along S
         sl = sl.clamp(max=S)
         scale = D**-0.5
-        res["chunks"].append(triton_decode.geometry(B, Hq, Hkv, S, D, dtype, q.device, cfg)["CHUNK2"])
+        res["chunks"].append((i, triton_decode.geometry(B, Hq, Hkv, S, D, dtype, q.device, cfg)["CHUNK2"]))
         for mode in ("one", "some", "all"):
             eta = midway_eta(q, k, scale, sl, mode, gen)
             for renorm in (False, True):
@@ -852,16 +852,17 @@ def _triton_persistent() -> dict:
             **_triton_failed_launch()}
 
 
-# The interpreter's work in parts, run side by side in subprocesses (one per core at a time).
+# The interpreter's work in parts, run side by side in subprocesses (one per core at a time), the
+# longest first so that the cores finish together.
 TRITON_PARTS = {
     "plans": lambda: _triton_plans(0),
-    "plans-interleaved": lambda: _triton_plans(8),
     "radix": lambda: {"radix": radix_select_results()},
-    "cases-0-1": lambda: _triton_cases(range(0, 2)),
+    "cases-4-10": lambda: _triton_cases(range(4, len(TRITON_CASES))),
     "cases-2-3": lambda: _triton_cases(range(2, 4)),
     "exact-quantile": _triton_exact_quantile,
+    "cases-0-1": lambda: _triton_cases(range(0, 2)),
+    "plans-interleaved": lambda: _triton_plans(8),
     "persistent": _triton_persistent,
-    "cases-4-10": lambda: _triton_cases(range(4, len(TRITON_CASES))),
 }
 
 
@@ -1057,8 +1058,10 @@ def test_triton_warmup_leaves_the_anchored_gap(triton_results):
 
 def test_triton_interleaved_cases_interleave(triton_results):
     """The cases that ask for interleaved filter splits get chunks (else they would test contiguous splits)."""
-    for (_, _, _, _, _, _, over), chunk in zip(TRITON_CASES, triton_results["chunks"]):
-        assert (chunk > 0) == ("interleave2" in over), (over, chunk)
+    chunks = dict(triton_results["chunks"])
+    assert sorted(chunks) == list(range(len(TRITON_CASES)))
+    for i, (_, _, _, _, _, _, over) in enumerate(TRITON_CASES):
+        assert (chunks[i] > 0) == ("interleave2" in over), (over, chunks[i])
 
 
 def test_interleave_chunk_rule():
