@@ -1,9 +1,15 @@
 """Tests for siftattention.kernels (decode step, warmup quantile).
 
 The torch backend is checked here against an independent float64 reference. The
-Triton kernels run under Triton's CPU interpreter (TRITON_INTERPRET=1) in one
-subprocess, so that the interpreter setting never leaks into this process; the
+Triton kernels run under Triton's CPU interpreter (TRITON_INTERPRET=1) in
+subprocesses, so that the interpreter setting never leaks into this process; each
 subprocess is this file run as a script and returns its measurements as JSON.
+
+Every interpreted case runs in ``make test``; ``SIFT_FULL_KERNEL_TESTS=1`` adds the
+quantile's sampled bracket at its production sizes (256 and 512 keys), whose sort costs
+the interpreter about 1.5 s a row. By default the warmup steps sort 64-key samples with
+the margin scaled alike, and the radix-select check takes 64-key samples whose margins
+miss as the full list's do (``SMALL``, ``radix_select_variants``; docs/kernels.md).
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import zlib
 
 import pytest
 import torch
-from conftest import run_interpreted_parts, run_json_script
+from conftest import full_kernel_tests, run_interpreted_parts, run_json_script
 
 from siftattention.kernels import logit_threshold, sift_decode, sift_warmup_decode
 
@@ -715,11 +721,15 @@ def test_functional_api_eta_edges_and_starts():
 
 # ----------------------------------------------------------------------------- triton (interpreter)
 
+FULL = full_kernel_tests()
+# Every warmup row below is shorter than 64 keys: a 64-key sample with margin 4 brackets about n/16 keys either
+# side of the wanted rank, as the default 512 and 32 do, on the same paths, for a fraction of the interpreter's sort.
+SAMPLE_SMALL = {} if FULL else dict(quantile_sample=64, quantile_margin=4)
 # (B, Hq, Hkv, S, D, dtype, config overrides). Small blocks and splits so that odd
 # lengths cross tile, split and compaction boundaries.
 SMALL = dict(block_n1=16, block_n2=16, block_a=32, scan_elems=0, min_split1=16, min_split2=16, quantile_block=32,
              block_nd=16, min_splitd=16, block_nb=16, block_n2_gqa=16, block_nb_gqa=32, quantile_parallel=True,
-             interleave2=0, interleave2_runs=1)
+             interleave2=0, interleave2_runs=1, **SAMPLE_SMALL)
 TRITON_CASES = [
     (2, 4, 4, 37, 64, "float32", {"quantile_parallel": False}),  # one quantile program per row
     (2, 4, 4, 45, 64, "float16", {"scan_elems": 64, "reuse_sync": False}),  # MHA scan rows of 64 keys
@@ -973,15 +983,19 @@ def crafted_score_rows(gen) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return scores, tau, seq_lens
 
 
-def radix_select_variants(parallel: bool) -> list[dict]:
+def radix_select_variants(parallel: bool, full: bool = True) -> list[dict]:
     """Quantile-kernel configurations for ``radix_select_results``; ``parallel``: rows cut into
-    chunks (on the GPU; the interpreter runs one program per row)."""
+    chunks (on the GPU; the interpreter runs one program per row); ``full``: the sampled bracket
+    at its production sizes too."""
     variants = [dict(quantile_parallel=parallel, quantile_sparse_from=sparse_from, quantile_sample=0)
                 for sparse_from in (0, 2, 4)]
     # The sampled bracket: 0 and 2 sample ranks either side (often missed: the full select
     # runs), 32 (the default; rarely), 8 of a sample of 64 (keys outside the bracket in the last bucket).
+    # Not full, 64-key samples only: margins 0, 2 and 4 miss on 7, 1 and 0 of the 12 crafted rows
+    # (256 / 0, 512 / 2 and 512 / 32 on 4, 1 and 0).
+    brackets = ((256, 0), (512, 2), (512, 32), (64, 8)) if full else ((64, 0), (64, 2), (64, 4), (64, 8))
     variants += [dict(quantile_parallel=parallel, quantile_sample=sample, quantile_margin=margin)
-                 for sample, margin in ((256, 0), (512, 2), (512, 32), (64, 8))]
+                 for sample, margin in brackets]
     # Digits of 12 bits (up to 3 passes) and 4 bits (up to 8) inside the bracket.
     variants += [dict(quantile_parallel=parallel, quantile_sample=64, quantile_margin=margin,
                       quantile_bracket_bits=bits, quantile_long_row=0) for margin, bits in ((8, 12), (2, 12), (8, 4))]
@@ -999,7 +1013,7 @@ def radix_select_results(device: str = "cpu", variants: list[dict] | None = None
     B, Hq, S = scores.shape
     dev = torch.device(device)
     out = []
-    for variant in variants or radix_select_variants(False):
+    for variant in variants or radix_select_variants(False, FULL):
         cfg = td.KernelConfig(**{**SMALL, **variant})
         geo = td.geometry(B, Hq, Hq, S, 64, torch.float32, dev, cfg)
         ws = td.Workspace(geo, dev)
@@ -1121,7 +1135,7 @@ def check_radix_rows(rows: list[dict], n: int) -> None:
 
 
 def test_triton_radix_select_on_crafted_scores(triton_results):
-    check_radix_rows(triton_results["radix"], 10)
+    check_radix_rows(triton_results["radix"], len(radix_select_variants(False, FULL)))
 
 
 def test_triton_plan_matches_float64(triton_results):
