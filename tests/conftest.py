@@ -14,6 +14,11 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach for a hub
 
 
+def full_kernel_tests() -> bool:
+    """SIFT_FULL_KERNEL_TESTS=1: the interpreted Triton checks run their full matrix (see tests/test_kernels.py)."""
+    return os.environ.get("SIFT_FULL_KERNEL_TESTS", "").strip() == "1"
+
+
 def run_json_script(script: str, *args: str, interpret: bool) -> dict:
     """Run ``script`` in a subprocess with the checkout importable, under Triton's CPU interpreter
     (TRITON_INTERPRET=1) or without it, so the setting never leaks into this process; its last

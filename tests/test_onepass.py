@@ -1,8 +1,8 @@
 """Tests for siftattention.kernels.triton_onepass (the one-pass anchored sift step).
 
-The kernel runs under Triton's CPU interpreter (TRITON_INTERPRET=1) in one subprocess, so
-that the interpreter setting never leaks into this process; the subprocess is this file
-run as a script and returns its measurements as JSON. The reference is
+The kernel runs under Triton's CPU interpreter (TRITON_INTERPRET=1) in subprocesses, so
+that the interpreter setting never leaks into this process; each subprocess is this file
+run as a script on half of the cases and returns its measurements as JSON. The reference is
 ``sift_anchored_decode_torch`` on float64 copies of the inputs.
 
 Kept counts are compared exactly: each head's threshold is placed at least 1e-3 away from
@@ -19,7 +19,7 @@ import zlib
 
 import pytest
 import torch
-from conftest import run_interpreted
+from conftest import run_interpreted_parts
 
 MODES = ("some", "nan", "all", "top_eta", "top_gap")
 # name, B, Hq, Hkv, S, D, dtype, OnePassConfig overrides, first, last, cache layout, key range
@@ -231,10 +231,11 @@ def run_case(case, gen, dev="cpu", config=None, two_pass=False) -> list[dict]:
     return rows
 
 
-def _worker() -> dict:
-    """Runs in a subprocess with TRITON_INTERPRET=1; returns the measurements as JSON."""
+def _worker(part: int) -> dict:
+    """Runs in a subprocess with TRITON_INTERPRET=1 on every other case from ``part`` (0 or 1:
+    halves of about equal cost); returns the measurements as JSON."""
     res = {"rows": [], "two_pass": []}
-    for case in CASES:
+    for case in CASES[part::2]:
         res["rows"] += run_case(case, torch.Generator().manual_seed(seed(*case[:7])))
         res["two_pass"] += run_case(case, torch.Generator().manual_seed(seed(*case[:7])), two_pass=True)
     return res
@@ -243,7 +244,8 @@ def _worker() -> dict:
 @pytest.fixture(scope="module")
 def onepass_results():
     pytest.importorskip("triton")
-    return run_interpreted(__file__, "--onepass-worker")
+    halves = run_interpreted_parts(__file__, "--onepass-worker", ["0", "1"])
+    return {key: halves[0][key] + halves[1][key] for key in halves[0]}
 
 
 def check_rows(rows: list[dict], n: int) -> None:
@@ -316,4 +318,4 @@ def test_cuda_onepass_matches_float64():
 
 
 if __name__ == "__main__" and "--onepass-worker" in sys.argv:
-    print(json.dumps(_worker()))
+    print(json.dumps(_worker(int(sys.argv[sys.argv.index("--onepass-worker") + 1]))))
