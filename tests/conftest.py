@@ -77,6 +77,20 @@ def embedded():
     return load_model("smollm2-135m")
 
 
+@pytest.fixture
+def embedded_by_name(embedded, monkeypatch):
+    """``load_model("smollm2-135m")`` hands out the session's embedded model instead of loading it again
+    (about 15 s), for tests of what runs after the load; the loading itself is the ``embedded`` fixture's."""
+    from siftattention import models
+
+    def load_model(name_or_path=models.DEFAULT_MODEL, *, dtype=torch.float32, device="cpu", tensor_parallel=False):
+        assert (name_or_path, dtype, str(device), tensor_parallel) == ("smollm2-135m", torch.float32, "cpu", False)
+        return embedded
+
+    monkeypatch.setattr(models, "load_model", load_model)
+    return embedded
+
+
 @pytest.fixture(scope="session")
 def wikitext_ids(embedded):
     """The first 256-token window of the WikiText-2 test split shipped in the package."""

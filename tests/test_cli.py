@@ -64,7 +64,7 @@ def _plotted_lines(monkeypatch) -> dict:
     return lines
 
 
-def test_ppl_end_to_end_on_the_embedded_model(tmp_path, capsys, embedded, monkeypatch):
+def test_ppl_end_to_end_on_the_embedded_model(tmp_path, capsys, embedded_by_name, monkeypatch):
     from siftattention.data import load_corpus, token_windows
 
     out = tmp_path / "run"
@@ -84,7 +84,7 @@ def test_ppl_end_to_end_on_the_embedded_model(tmp_path, capsys, embedded, monkey
     row_keys = {"method", "ppl", "ppl_post_warmup", "realized_sparsity", "realized_sparsity_post_warmup", "tokens"}
     assert all(set(r) >= row_keys for r in rows.values())
     # Independent reference: transformers' own attention on the same windows.
-    model, tokenizer = embedded
+    model, tokenizer = embedded_by_name
     windows = token_windows(load_corpus(result["dataset"]).text, tokenizer, 96, 2)
     with torch.no_grad():
         logits = model(windows).logits[:, :-1]

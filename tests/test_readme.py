@@ -44,7 +44,7 @@ def _sift_layer0_decode_reference(model, sequence: torch.Tensor, prompt_len: int
     return torch.tensor(alpha), torch.tensor(beta), torch.tensor(sparsity)
 
 
-def test_readme_quick_start_runs(capsys, monkeypatch):
+def test_readme_quick_start_runs(capsys, monkeypatch, embedded_by_name):
     import siftattention.hf
 
     code = re.search(r"## Python quick-start\n\n```python\n(.*?)```", README.read_text(), re.S).group(1)
@@ -58,6 +58,7 @@ def test_readme_quick_start_runs(capsys, monkeypatch):
     monkeypatch.setattr(siftattention.hf, "apply", recording_apply)
     namespace: dict = {}
     exec(compile(code, "README.md quick-start", "exec"), namespace)
+    assert namespace["model"] is embedded_by_name[0]
     out = capsys.readouterr().out
     printed = float(re.search(r"realized sparsity after warmup: ([0-9.e-]+)", out).group(1))
     assert float(re.search(r"Skip-Softmax realized sparsity: ([0-9.e-]+)", out).group(1)) > 0.1  # the example shows a skip
