@@ -178,6 +178,43 @@ def is_causal_block(valid: torch.Tensor) -> bool:
     return bool((valid == causal).all())
 
 
+def prompt_row_ranges(valid: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """[B, Q, 2] int32 ``[start, end)`` of each row's valid keys in a prompt chunk's [B, 1, Q, K] validity,
+    read off the mask's structure rather than its rows: causal with the chunk's keys last (row i's last key
+    ``K - Q + i``), left padding, and a sliding window of ``window`` keys. A row with no valid key (padding)
+    has ``start >= end``.
+
+    Reads O(B * (Q + K)) of the mask (its diagonal and the chunk's first row), so it describes the mask only
+    where the mask has that structure; ``rows_are_ranges`` checks it."""
+    B, _, Q, K = valid.shape
+    ends = torch.arange(K - Q + 1, K + 1, device=valid.device, dtype=torch.int32)  # [Q]
+    # The chunk's own keys on the diagonal: the first valid one is the first real token, where it lies in the chunk.
+    diagonal = valid[:, 0].diagonal(offset=K - Q, dim1=-2, dim2=-1)  # [B, Q]
+    first_real = diagonal.to(torch.uint8).argmax(-1).int()
+    # Otherwise padding ended before the chunk: the first row's first valid key is its start (from the padding,
+    # or from the window, whose start then binds every later row too).
+    first_row = valid[:, 0, 0].to(torch.uint8).argmax(-1).int()
+    first = torch.where(first_real > 0, first_real + (K - Q), first_row)
+    first = torch.where(diagonal.any(-1), first, K)  # every row padding
+    starts = first[:, None].expand(B, Q)
+    if window is not None:
+        starts = torch.maximum(starts, ends - window)
+    return torch.stack([starts, ends.expand(B, Q)], -1)
+
+
+def rows_are_ranges(valid: torch.Tensor, ranges: torch.Tensor, elements: int = CHUNK_ELEMENTS) -> bool:
+    """Whether every row of the validity [B, 1, Q, K] is exactly its range of ``ranges`` [B, Q, 2] (an empty
+    one where ``start >= end``): one pass over the mask, in slices of about ``elements``, and a host sync each."""
+    B, _, Q, K = valid.shape
+    keys = torch.arange(K, device=valid.device)
+    step = max(1, elements // max(1, B * K))
+    for r0 in range(0, Q, step):
+        starts, ends = ranges[:, r0:r0 + step, None].unbind(-1)  # [B, n, 1]
+        if not torch.equal(valid[:, 0, r0:r0 + step], (keys >= starts) & (keys < ends)):
+            return False
+    return True
+
+
 def decode_probs(query: torch.Tensor, k_cache: torch.Tensor, keys: KeyRange, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Float32 softmax [B, Hq, L] of one query token over the valid keys of a cache, and the validity.
 

@@ -7,6 +7,7 @@ import torch
 
 from conftest import tiny_llama
 from siftattention import Sift, apply
+from siftattention.attention import prompt_row_ranges, rows_are_ranges
 from siftattention.generation import generate
 from siftattention.methods.base import PromptChunk
 from siftattention.methods.sift import AdaptiveWarmup, PromptCalibration
@@ -137,6 +138,46 @@ def test_sampled_rows_get_their_quantile_under_any_valid_mask(layout, chunks):
     probs = torch.softmax(scores.masked_fill(~valid[0, :, rows], float("-inf")), -1)
     expected = masked_quantile(probs, valid[0, :, rows].expand_as(probs), 0.9)
     torch.testing.assert_close(state.prompt_thetas[0][:, targets > 0].double(), expected, rtol=1e-5, atol=1e-7)
+
+
+def _prompt_mask(pads, a, b, window=None):
+    """[B, 1, b - a, b] validity of prompt rows a..b-1 (the rows of one chunk) as transformers builds it: causal,
+    left padding of ``pads`` [B] tokens, a sliding window of ``window`` keys."""
+    q, k = torch.arange(a, b)[:, None], torch.arange(b)[None]
+    valid = (k <= q) & (k >= pads[:, None, None])
+    if window is not None:
+        valid &= k > q - window
+    return valid[:, None]
+
+
+@pytest.mark.parametrize("window", [None, 1, 6, 23, 300])
+def test_the_structural_row_ranges_count_the_masks_rows(window):
+    """prompt_row_ranges reads a chunk's ranges off its structure: their steps are the mask's row sums, and
+    rows_are_ranges accepts them, for causal, left-padded, chunked and sliding-window prompts of odd lengths."""
+    pads = torch.tensor([0, 7, 30, 83])  # the last row all padding up to the last chunk
+    for a, b in [(0, 87), (0, 29), (29, 58), (58, 87), (3, 8), (30, 31), (31, 44), (84, 87)]:
+        valid = _prompt_mask(pads, a, b, window)
+        ranges = prompt_row_ranges(valid, window)
+        assert ranges.dtype == torch.int32 and ranges.shape == (4, b - a, 2)
+        steps = PromptChunk(torch.zeros(4, 1, b - a, 2), torch.zeros(4, 1, b, 2), valid, valid[:, 0, -1].sum(-1), 1.0,
+                            ranges=ranges).steps
+        assert torch.equal(steps, valid[:, 0].sum(-1, dtype=torch.int32)), (a, b)
+        assert rows_are_ranges(valid, ranges, elements=97)  # in slices of a row or two
+
+
+def test_rows_are_ranges_refuses_a_mask_of_another_structure():
+    pads = torch.tensor([0, 5])
+    valid = _prompt_mask(pads, 10, 41)
+    for change in ("hole", "window", "padding"):
+        other = valid.clone()
+        if change == "hole":
+            other[:, :, 20:, 12] = False
+        elif change == "window":  # ranges read with a window the mask does not have
+            assert not rows_are_ranges(other, prompt_row_ranges(other, 9))
+            continue
+        else:  # padding that differs between rows
+            other[1, :, 25:, 5:8] = False
+        assert not rows_are_ranges(other, prompt_row_ranges(other))
 
 
 def _padded_prompts(lengths, seed=0):

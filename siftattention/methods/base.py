@@ -60,6 +60,9 @@ class PromptChunk:
     prompt_steps: [B] int64, each sequence's whole prompt length in real tokens (its last prompt
              row's step), known before the prompt's last chunk is.
     final: the prompt's last chunk (``key`` holds every prompt key).
+    ranges: [B, Q, 2] int32 each row's valid keys ``[start, end)`` (none where ``start >= end``), where the attention
+             glue knows the mask's structure (``attention.prompt_row_ranges``); None for a mask of another shape,
+             whose rows are then read whole.
     The attention of the chunk itself is computed exactly elsewhere (SDPA); ``probs`` scores only
     the rows a method asks for.
     """
@@ -73,10 +76,14 @@ class PromptChunk:
     softcap: float | None = None
     value: torch.Tensor | None = None
     final: bool = True
+    ranges: torch.Tensor | None = None
 
     @property
     def steps(self) -> torch.Tensor:
-        """[B, Q] the step S of each query row (its number of valid keys)."""
+        """[B, Q] int32 the step S of each query row (its number of valid keys): from ``ranges`` in O(B * Q),
+        else (no ranges: a mask of unknown structure) the mask's row sums, O(B * Q * K)."""
+        if self.ranges is not None:
+            return (self.ranges[..., 1] - self.ranges[..., 0]).clamp(min=0)
         # Summed as bytes: torch converts a bool tensor to the sum's dtype first (2x slower on a long prompt's mask).
         return self.valid[:, 0].view(torch.uint8).sum(-1, dtype=torch.int32)
 

@@ -504,7 +504,7 @@ class Sift(ThresholdMethod):
         if chunk.final:
             self._measure_deferred_rows(chunk, state)
         if self.anchored:  # the first decoded token filters with the last prompt row's gap, as after a warmup
-            for b, r in (chunk.steps == chunk.prompt_steps[:, None]).nonzero().tolist():
+            for b, r in (steps == chunk.prompt_steps[:, None]).nonzero().tolist():
                 probs, valid = chunk.probs(b, torch.tensor([r], device=chunk.query.device))
                 anchors = anchor_mask(valid, self.anchor_first, self.anchor_last)
                 state.gap[b] = -torch.log((probs * anchors).sum(-1))[:, 0]
@@ -518,11 +518,14 @@ class Sift(ThresholdMethod):
             return False
         if resolve_backend("auto", chunk.query.device, chunk.query.dtype) == "torch":
             return False
-        valid = chunk.valid[b_idx, 0, r_idx].to(torch.uint8)  # [n, K]
-        starts = valid.argmax(-1)
-        ends = valid.shape[-1] - valid.flip(-1).argmax(-1)
-        if not bool((ends - starts == valid.sum(-1, dtype=torch.int64)).all()):
-            return False
+        if chunk.ranges is not None:
+            starts, ends = chunk.ranges[b_idx, r_idx].unbind(-1)
+        else:  # a mask of unknown structure: the sampled rows' own keys, which must form one range each
+            valid = chunk.valid[b_idx, 0, r_idx].to(torch.uint8)  # [n, K]
+            starts = valid.argmax(-1)
+            ends = valid.shape[-1] - valid.flip(-1).argmax(-1)
+            if not bool((ends - starts == valid.sum(-1, dtype=torch.int64)).all()):
+                return False
         B, H, n = state.prompt_thetas.shape
         if state.prompt_queries.shape[-1] != chunk.query.shape[-1] or state.prompt_queries.dtype != chunk.query.dtype:
             state.prompt_queries = chunk.query.new_zeros(B, H, n, chunk.query.shape[-1])
