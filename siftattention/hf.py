@@ -31,7 +31,8 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .attention import LayerRecord, exact_attention, is_causal_block, method_attention, valid_keys
+from .attention import (LayerRecord, exact_attention, is_causal_block, method_attention, prompt_row_ranges,
+                        rows_are_ranges, valid_keys)
 from .inputs import check_token_inputs
 from .kernels.plan import BACKENDS
 from .methods.base import KeyRange, Method, PromptChunk
@@ -184,6 +185,8 @@ class SiftHandle:
         self._plans: dict[tuple, Any] = {}
         self._keys: dict[tuple, tuple] = {}  # this forward's decode key ranges: (mask id, keys, batch, device) -> (mask, KeyRange)
         self._keys_layer = -1  # the layer that formed or read them last
+        self._ranges: dict[tuple, tuple] = {}  # this forward's prompt row ranges: (mask id, window, shape, device) -> (mask ref, ranges or None)
+        self._ranges_layer = -1
         #: Every config's attention implementation as it was, written back by ``remove`` as is: going
         #: through ``set_attn_implementation`` would re-check it (flash_attention_2 without flash-attn fails).
         self._restore = _attention_settings(model)
@@ -368,8 +371,10 @@ class SiftHandle:
                 if self.prompt_len is not None:  # the prompt's later chunks are real tokens (padding is on the left)
                     prompt_steps = prompt_steps + max(0, self.prompt_len - fed - Q)
                 final = self.prompt_len is None or fed + Q >= self.prompt_len
-                self.method.observe_prompt(PromptChunk(query, key, valid, prompt_steps, scaling, bias, softcap, value, final),
-                                           state)
+                window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
+                ranges = self._prompt_ranges(layer, attention_mask, valid, window)
+                self.method.observe_prompt(PromptChunk(query, key, valid, prompt_steps, scaling, bias, softcap, value, final,
+                                                       ranges), state)
             self.method.finish_prefill(state)
         elif decoding:
             self._decoded[layer] += 1
@@ -392,6 +397,26 @@ class SiftHandle:
         if self._causal_mask is None or self._causal_mask[0]() is not attention_mask:
             self._causal_mask = (weakref.ref(attention_mask), is_causal_block(valid))
         return self._causal_mask[1]
+
+    def _prompt_ranges(self, layer: int, attention_mask: torch.Tensor | None, valid: torch.Tensor,
+                       window: int | None) -> torch.Tensor | None:
+        """Each prompt row's valid keys ``[start, end)`` from the mask's structure (``attention.prompt_row_ranges``:
+        causal, left padding, the layer's sliding window), or None where the mask has another (a custom 4-D mask):
+        ``PromptChunk`` then reads the mask's rows. A mask is checked against its ranges once (``rows_are_ranges``,
+        one pass over it) for all the layers of a forward that get it, as transformers builds one per layer type;
+        every layer's own work is then O(B * Q)."""
+        if attention_mask is None:  # valid_keys built the causal mask itself
+            return prompt_row_ranges(valid)
+        if layer <= self._ranges_layer:  # a new forward
+            self._ranges = {}
+        self._ranges_layer = layer
+        sig = (id(attention_mask), window, valid.shape, valid.device)
+        entry = self._ranges.get(sig)
+        if entry is None or entry[0]() is not attention_mask:
+            ranges = prompt_row_ranges(valid, window)
+            # A weak reference: a long prompt's mask (GBs) is not kept past its forward.
+            entry = self._ranges[sig] = (weakref.ref(attention_mask), ranges if rows_are_ranges(valid, ranges) else None)
+        return entry[1]
 
     def _step_keys(self, layer: int, mask: torch.Tensor | None, k_len: int, batch: int, device: torch.device,
                    window: int | None = None) -> KeyRange:

@@ -180,6 +180,37 @@ def test_rows_are_ranges_refuses_a_mask_of_another_structure():
         assert not rows_are_ranges(other, prompt_row_ranges(other))
 
 
+def test_the_glue_checks_a_mask_once_and_reads_a_custom_one_whole():
+    """The handle's ranges: those of transformers' masks, checked once per mask; None (PromptChunk sums the mask's
+    rows) for a custom 4-D mask with holes."""
+    model = tiny_llama()
+    valid = _prompt_mask(torch.tensor([0, 4]), 0, 37)
+    holes = valid.clone()
+    holes[..., 3::5] = False
+    with apply(model, Sift()) as handle:
+        checks = []
+        real = rows_are_ranges
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr("siftattention.hf.rows_are_ranges", lambda *a: checks.append(1) or real(*a))
+            for layer in (0, 1):  # one forward: each mask checked by the first layer that gets it
+                assert torch.equal(handle._prompt_ranges(2 * layer, valid, valid, None), prompt_row_ranges(valid))
+                assert handle._prompt_ranges(2 * layer + 1, holes, holes, None) is None
+            assert len(checks) == 2
+            handle._prompt_ranges(0, valid, valid, None)  # the next forward checks its mask again
+            assert len(checks) == 3
+        assert torch.equal(handle._prompt_ranges(0, None, valid, None), prompt_row_ranges(valid))
+
+
+def _gemma3_sliding():
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    cfg = Gemma3TextConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=16, sliding_window=21, pad_token_id=0,
+                           layer_types=["sliding_attention", "full_attention"])
+    return Gemma3ForCausalLM(cfg).eval()
+
+
 def _padded_prompts(lengths, seed=0):
     g = torch.Generator().manual_seed(seed)
     width = max(lengths)
@@ -214,6 +245,33 @@ def test_the_reference_path_and_the_fast_loop_calibrate_alike_on_a_left_padded_p
     alone = generate(model, ids[1:2, 20:], mask[1:2, 20:], method, max_new_tokens=2, pad_token_id=0, eos_token_id=-1)
     torch.testing.assert_close(alone.stats.alpha[:, 0], reference.alpha[:, 1], rtol=1e-4, atol=1e-7)
     torch.testing.assert_close(alone.stats.beta[:, 0], reference.beta[:, 1], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3-sliding"])
+def test_calibration_from_the_structural_ranges_is_bit_identical_to_summing_the_mask(family, monkeypatch):
+    """Both loops (the fast one whole and in chunks), left-padded prompts of odd lengths: every sampled step, theta
+    and fit is the same bit for bit whether the glue gives each row's keys from the mask's structure or the
+    method reads them off the mask (the glue's fallback for a mask of unknown structure)."""
+    model = _model() if family == "llama" else _gemma3_sliding()
+    ids, mask = _padded_prompts([101, 77, 45])
+    method = Sift(tau=0.8, warmup=4, normalizer="anchored" if family == "llama" else "exact", anchor_first=2, anchor_last=8)
+    fields = ("prompt_targets", "prompt_recorded", "prompt_thetas", "log_alpha", "beta", "fit_sums", "gap")
+
+    def calibrate() -> list[torch.Tensor]:
+        states = []
+        with apply(model, method, decode_backend=None) as handle:
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=1, do_sample=False, pad_token_id=0,
+                           eos_token_id=None)
+            states.append(handle.states)
+        for chunk in (None, 29):
+            states.append(generate(model, ids, mask, method, max_new_tokens=1, pad_token_id=0, eos_token_id=-1,
+                                   prefill_chunk=chunk).stats._handle.states)
+        return [getattr(s[layer], f) for s in states for layer in sorted(s) for f in fields]
+
+    structural = calibrate()
+    monkeypatch.setattr("siftattention.hf.SiftHandle._prompt_ranges", lambda *args: None)
+    for ours, summed in zip(structural, calibrate(), strict=True):
+        assert torch.equal(ours.nan_to_num(7.0), summed.nan_to_num(7.0))
 
 
 def test_a_too_short_prompt_falls_back_to_the_decode_warmup():
