@@ -202,17 +202,17 @@ def prompt_row_ranges(valid: torch.Tensor, window: int | None = None) -> torch.T
     return torch.stack([starts, ends.expand(B, Q)], -1)
 
 
-def rows_are_ranges(valid: torch.Tensor, ranges: torch.Tensor, elements: int = CHUNK_ELEMENTS) -> bool:
+def rows_are_ranges(valid: torch.Tensor, ranges: torch.Tensor, elements: int = 1 << 26) -> bool:
     """Whether every row of the validity [B, 1, Q, K] is exactly its range of ``ranges`` [B, Q, 2] (an empty
-    one where ``start >= end``): one pass over the mask, in slices of about ``elements``, and a host sync each."""
+    one where ``start >= end``): one pass over the mask, in slices of about ``elements``, and one host sync."""
     B, _, Q, K = valid.shape
     keys = torch.arange(K, device=valid.device)
     step = max(1, elements // max(1, B * K))
+    differs = torch.zeros((), dtype=torch.bool, device=valid.device)
     for r0 in range(0, Q, step):
         starts, ends = ranges[:, r0:r0 + step, None].unbind(-1)  # [B, n, 1]
-        if not torch.equal(valid[:, 0, r0:r0 + step], (keys >= starts) & (keys < ends)):
-            return False
-    return True
+        differs |= (valid[:, 0, r0:r0 + step] != ((keys >= starts) & (keys < ends))).any()
+    return not bool(differs)
 
 
 def decode_probs(query: torch.Tensor, k_cache: torch.Tensor, keys: KeyRange, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
