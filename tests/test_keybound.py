@@ -568,6 +568,34 @@ def test_sift_keybound_generates_through_the_fast_loop(monkeypatch, form):
         Sift(keybound=form, normalizer="anchored")
 
 
+@needs_cuda
+@pytest.mark.parametrize("form", ["row", "channel"])
+def test_cuda_sift_keybound_fast_loop_captures(monkeypatch, form):
+    """On CUDA the key-bound step and the copy's one-token writes run inside the loop's graphs: the copy is
+    still a fresh quantisation of every written key, and the tokens are the exact step's."""
+    from test_generation import _left_padded_batch
+
+    from siftattention import Sift
+    from siftattention.generation import generate, loop
+
+    model = _biased_qwen2().cuda()
+    ids, mask = (x.cuda() for x in _left_padded_batch())
+    caches = []
+    real_cache = loop.FixedCache
+    monkeypatch.setattr(loop, "FixedCache", lambda *a, **kw: caches.append(real_cache(*a, **kw)) or caches[-1])
+    kw = dict(max_new_tokens=12, eos_token_id=-1, pad_token_id=0, prefill_chunk=5, cuda_graphs=True)
+    method = dict(tau=0.5, warmup=4, warmup_source="decode")
+    res = generate(model, ids, mask, Sift(keybound=form, **method), **kw)
+    exact = generate(model, ids, mask, Sift(**method), **kw)
+    assert res.fast and torch.equal(res.sequences, exact.sequences)
+    written, starts = 13 + 11, 13 - mask.sum(1)
+    for layer in caches[0].layers:
+        k = layer.keys[:, :, :written]
+        fresh = quantize_keys(k, prompt_ranges(k, starts, 13) if form == "channel" else None)
+        assert torch.equal(layer.key_copy.values[:, :, :written], fresh.values)
+        assert torch.equal(layer.key_copy.scales[:, :, :written], fresh.scales)
+
+
 def test_sift_keybound_option_values():
     """keybound takes False, True (= "row"), "row" or "channel", in code and in a method spec."""
     from siftattention import Sift
