@@ -296,11 +296,19 @@ def test_keybound_bytes():
     assert b["dense"] == 2 * 2 * 4 * 1000 * 256 and math.isclose(b["vs_dense"], b["total"] / b["dense"])
     c = keybound_bytes(2, 4, 1000, 128, 2, candidate_rows=800, v_rows=400, per_channel=True)
     assert c["scan"] == b["scan"] + 2 * 4 * 128 * 8 and c["total"] == b["total"] + 2 * 4 * 128 * 8
+    assert b["scores"] == 0 and b["total_with_scores"] == b["total"]
+    g = keybound_bytes(2, 4, 1000, 128, 2, candidate_rows=800, v_rows=400, group=6)
+    # Estimates written and read for every key and head; candidates' exact scores and positions written and read.
+    assert g["scores"] == 2 * 2 * 4 * 1000 * 6 * 4 + 2 * 800 * (6 * 4 + 4)
+    assert g["total"] == b["total"] and g["total_with_scores"] == g["total"] + g["scores"]
 
 
 # ----------------------------------------------------------------------------- Triton, under the interpreter
 
-TRITON_CASES = [  # B, Hq, Hkv, S, D, dtype, power law, per-channel scales: GQA 1, 2, 4, 6; odd lengths
+#: Splits of up to 48 keys (blocks of 16) and peakier scores (q x 4, no keep-all head): a split's candidates,
+#: a proper subset of its keys, span several tiles of the candidate filter.
+LONG_SPLITS = dict(min_split1=48, fill=0, waves1=0)
+TRITON_CASES = [  # B, Hq, Hkv, S, D, dtype, power law, per-channel scales[, config]: GQA 1, 2, 4, 6, 8; odd lengths
     (2, 4, 4, 37, 64, "float32", False, False),
     (2, 8, 2, 53, 64, "float16", True, False),
     (2, 6, 1, 29, 64, "bfloat16", False, False),
@@ -308,6 +316,8 @@ TRITON_CASES = [  # B, Hq, Hkv, S, D, dtype, power law, per-channel scales: GQA 
     (2, 8, 2, 41, 64, "float16", False, True),  # q' split into two bf16 terms
     (1, 6, 1, 33, 128, "bfloat16", True, True),
     (2, 4, 4, 23, 64, "float32", False, True),  # q' in float32
+    (1, 4, 2, 75, 256, "float16", False, True, LONG_SPLITS),
+    (1, 8, 1, 99, 128, "bfloat16", True, False, LONG_SPLITS),
 ]
 
 
@@ -319,15 +329,18 @@ def _triton_case(i: int) -> list[dict]:
     from siftattention.kernels.plan import PowerLawThreshold
     from siftattention.kernels.triton_decode import KernelConfig
 
-    B, Hq, Hkv, S, D, dt, law, per_channel = TRITON_CASES[i]
+    B, Hq, Hkv, S, D, dt, law, per_channel, *config = TRITON_CASES[i]
     dtype = getattr(torch, dt)
     gen = torch.Generator().manual_seed(seed("triton", i))
     q, k, v, sl, st = range_case(B, Hq, Hkv, S, D, dtype, gen)
+    if config:
+        q = q * 4
     if per_channel:  # outlier channels; the ranges from the first half, the rest quantised as decode keys
         k[..., 1] += 6.0
         k[..., D - 3] *= 20.0
     eta = planted_eta(scores64(q, k, D**-0.5), valid_of(B, S, sl, st), gen)
-    eta[0, 1] = 0.0  # every key
+    if not config:
+        eta[0, 1] = 0.0  # every key
     eta[-1, -1] = 1.0  # the maximum only
     if i == 2:
         eta[0, 2] = float("nan")  # the maximum only
@@ -335,7 +348,8 @@ def _triton_case(i: int) -> list[dict]:
     rows = []
     for renorm in (False, True):
         kern = DecodeKernels.plan(batch=B, q_heads=Hq, kv_heads=Hkv, max_len=S, head_dim=D, dtype=dtype, device="cpu",
-                                  scale=D**-0.5, renormalize=renorm, backend="triton", config=KernelConfig(**SMALL))
+                                  scale=D**-0.5, renormalize=renorm, backend="triton",
+                                  config=KernelConfig(**(SMALL | (config[0] if config else {}))))
         arg = power_law_for(eta, sl, st, gen) if law else eta
         eta_used = arg.eta() if law else eta
         out, kept = kern.sparse_keybound(q, k, v, keys, arg if not law else PowerLawThreshold(*arg), sl, st)
@@ -355,7 +369,7 @@ def _triton_worker(part: str) -> dict:
 @pytest.fixture(scope="module")
 def triton_rows():
     pytest.importorskip("triton")
-    parts = run_interpreted_parts(__file__, "--triton-worker", ["0,2,4", "1,3,5,6"])
+    parts = run_interpreted_parts(__file__, "--triton-worker", ["0,2,4,7", "1,3,5,6,8"])
     return [r for p in parts for r in p["rows"]]
 
 
