@@ -727,7 +727,8 @@ def run_sweep(args, copy_bps):
             )
             if keybound:
                 print(f"  keybound ({keybound['keybound_form']}): {keybound['keybound_graph_ms']:.4f} ms ({keybound['keybound_vs_sdpa_graph']:.3f}x sdpa, "
-                      f"{keybound['keybound_vs_sift']:.3f}x exact sift, {keybound['keybound_vs_floor']:.2f}x its floor) "
+                      f"{keybound['keybound_vs_sift']:.3f}x exact sift, {keybound['keybound_vs_floor']:.2f}x its floor, "
+                      f"{keybound['keybound_vs_floor_with_scores']:.2f}x with its scores' traffic) "
                       f"candidates={keybound['keybound_candidates']:.3f} of key rows, bytes={keybound['keybound_bytes_vs_dense']:.3f} "
                       f"of dense (exact sift's floor {floor_bytes / dense:.3f}), int8 copy +{keybound['keybound_copy_vs_kv']:.3f} "
                       f"of K+V, eps<={keybound['keybound_eps_max']:.1e}, kept heads off float64 {keybound['keybound_kept_off']}, "
@@ -762,11 +763,13 @@ def keybound_cells(kern, sets, keys, etas, th, sl, union, t_sdpa, t_sift, copy_b
     t = bench_graph(fn, [s + (e,) + tuple(kq) for s, e, kq in zip(sets, etas, keys)])
     rows = sum(cand) / len(cand)
     nbytes = keybound_bytes(B, Hkv, S, D, k.element_size(), rows, union * B * Hkv * S,
-                            per_channel=keys[0].channel is not None)
+                            per_channel=keys[0].channel is not None, group=Hq // Hkv)
     return dict(keybound_form="channel" if keys[0].channel is not None else "row", keybound_graph_ms=t,
                 keybound_vs_sdpa_graph=t / t_sdpa, keybound_vs_sift=t / t_sift,
                 keybound_candidates=rows / (B * Hkv * S), keybound_bytes=nbytes["total"],
                 keybound_bytes_vs_dense=nbytes["vs_dense"], keybound_vs_floor=t * 1e-3 / (nbytes["total"] / copy_bps),
+                keybound_score_bytes_vs_dense=nbytes["scores"] / nbytes["dense"],
+                keybound_vs_floor_with_scores=t * 1e-3 / (nbytes["total_with_scores"] / copy_bps),
                 keybound_copy_vs_kv=keys[0].nbytes() / nbytes["dense"], keybound_eps_max=eps,
                 keybound_kept_off=off, keybound_out_err=err)
 

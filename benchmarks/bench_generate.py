@@ -180,6 +180,10 @@ CALIBRATIONS = {
 }
 
 
+#: the result row of each int8 key copy form of Sift(keybound=...)
+KEYBOUND_ROWS = {"row": "sift_keybound", "channel": "sift_keybound_channel"}
+
+
 def fast(model, ids, method, new: int, chunk: int, compile: bool = False, all_tokens: bool = False) -> dict:
     res = generate(model, ids, None, method, max_new_tokens=new, eos_token_id=-1, pad_token_id=0, prefill_chunk=chunk, compile=compile)
     t = res.timings
@@ -193,7 +197,7 @@ def fast(model, ids, method, new: int, chunk: int, compile: bool = False, all_to
     # step and the capture of each phase left out) and one-off steps (Sift's fit) as measured.
     run = sum(p["steady_ms"] * p["steps"] if p["steps"] > 2 else p["seconds"] * 1e3 for p in t["phases"].values())
     out["run_ms"] = run / t["decode_steps"]
-    if "key_copy_bytes" in t:  # Sift(keybound=True): the int8 key copy the cache keeps
+    if "key_copy_bytes" in t:  # Sift(keybound=...): the int8 key copy the cache keeps
         out["key_copy_gb"] = t["key_copy_bytes"] / 1e9
     if "after_warmup" in t["phases"]:
         out["fit_ms"] = t["phases"]["after_warmup"]["seconds"] * 1e3
@@ -455,9 +459,10 @@ def main() -> None:
                          "'sift_decode')")
     ap.add_argument("--normalizer", nargs="+", default=["exact"], choices=["exact", "anchored"],
                     help="Sift's normaliser(s): a sift row per choice (anchored: row 'sift_anchored')")
-    ap.add_argument("--keybound", action="store_true",
-                    help="also a row of Sift(keybound=True) per calibration ('sift_keybound'): sparse steps read the "
-                         "full keys only where an int8 bound cannot drop them (the cache keeps an int8 key copy)")
+    ap.add_argument("--keybound", nargs="*", choices=["row", "channel"], default=None,
+                    help="also a row of Sift(keybound=FORM) per calibration and form (alone: row): sparse steps read the "
+                         "full keys only where an int8 bound cannot drop them (the cache keeps an int8 key copy with a "
+                         "scale per row, 'sift_keybound', or per-channel ranges fixed by the prompt, 'sift_keybound_channel')")
     ap.add_argument("--prefill-chunk", type=int, default=8192)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--check", action="store_true")
@@ -505,12 +510,12 @@ def main() -> None:
                                                                    **CALIBRATIONS[cal][1]),
                                                   args.new, args.prefill_chunk, args.compile))
                  for norm in args.normalizer for cal in args.calibration]
-        if args.keybound:
-            sifts += [("sift_keybound" + CALIBRATIONS[cal][0],
-                       lambda cal=cal: fast(model, ids, Sift(tau=args.tau, warmup=args.warmup, keybound=True,
-                                                             **CALIBRATIONS[cal][1]), args.new, args.prefill_chunk,
-                                            args.compile))
-                      for cal in args.calibration]
+        if args.keybound is not None:
+            sifts += [(KEYBOUND_ROWS[form] + CALIBRATIONS[cal][0],
+                       lambda cal=cal, form=form: fast(model, ids, Sift(tau=args.tau, warmup=args.warmup, keybound=form,
+                                                                        **CALIBRATIONS[cal][1]), args.new,
+                                                       args.prefill_chunk, args.compile))
+                      for form in args.keybound or ["row"] for cal in args.calibration]
         for name, fn in (
             ("dense", lambda: fast(model, ids, Full(), args.new, args.prefill_chunk, args.compile)),
             *sifts,
@@ -529,7 +534,7 @@ def main() -> None:
     print()
     print(f"copy bandwidth {report['copy_bw_tb_s']:.2f} TB/s, planted logit std {args.plant_std}, head correlation {args.head_corr}, "
           f"q_scale {args.q_scale}, tau {args.tau}, warmup {args.warmup}, {args.new} new tokens")
-    for name in (f"{base}{suffix}" for base in ("sift", "sift_anchored", "sift_keybound")
+    for name in (f"{base}{suffix}" for base in ("sift", "sift_anchored", *KEYBOUND_ROWS.values())
                  for suffix, _ in CALIBRATIONS.values()):
         if not any(name in r for r in rows):
             continue

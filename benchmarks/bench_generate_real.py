@@ -18,6 +18,9 @@ exact step's bytes. The byte floor reads the weights and the valid KV cache once
 at the copy bandwidth measured in the same run; Sift's ceiling reads all of K and the kept V.
 ``--check`` first compares the dense fast path's greedy tokens with transformers' generate
 on the same model and dtype, and says where they part (the top-2 logit gap there).
+``--methods dense sift sift_keybound sift_keybound_channel`` sets the key-bound step, on its
+per-row and per-channel int8 key copies, beside the exact step it must match: its rows add
+``agreement_with_sift`` and ``speedup_vs_sift``, and the copy's memory (``key_copy_gb``).
 """
 
 from __future__ import annotations
@@ -37,8 +40,8 @@ from siftattention.generation import generate
 from siftattention.models import load_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_generate import (CALIBRATIONS, attention_share, copy_bandwidth, fast, free, greedy_agreement,  # noqa: E402
-                            hf_generate, profile_steps, weight_bytes)
+from bench_generate import (CALIBRATIONS, KEYBOUND_ROWS, attention_share, copy_bandwidth, fast, free,  # noqa: E402
+                            greedy_agreement, hf_generate, profile_steps, weight_bytes)
 
 METHODS = {
     "dense": lambda a: Full(),
@@ -46,6 +49,8 @@ METHODS = {
     **{f"sift{suffix}": (lambda a, kw=kw: Sift(tau=a.tau, warmup=a.warmup, **kw)) for suffix, kw in CALIBRATIONS.values()},
     "sift_recal64": lambda a: Sift(tau=a.tau, warmup=a.warmup, recalibrate_every=64),  # the default, named as run
     "sift_anchored": lambda a: Sift(tau=a.tau, warmup=a.warmup, normalizer="anchored"),
+    # The key-bound step (an int8 key copy: a scale per row, or per-channel ranges fixed by the prompt).
+    **{name: (lambda a, form=form: Sift(tau=a.tau, warmup=a.warmup, keybound=form)) for form, name in KEYBOUND_ROWS.items()},
     "sift_095": lambda a: Sift(tau=0.95, warmup=a.warmup),
     "topk": lambda a: TopK(k=1 - a.tau),
 }
@@ -173,13 +178,18 @@ def main() -> None:
             print(f"{batch}x{prompt} {name}: {out['decode_tok_s']:.0f} tok/s (steady {out['steady_tok_s']:.0f}), prefill "
                   f"{out['prefill_s']:.1f} s, realized {out.get('realized_post_warmup', 0):.3f} after warmup", flush=True)
             save()
-        dense = row["methods"].get("dense")
+        dense, exact = row["methods"].get("dense"), row["methods"].get("sift")
         if dense:
             for name, out in row["methods"].items():
                 if "new_tokens" in out and name != "dense":
                     out["agreement_with_dense"] = agreement(dense["new_tokens"], out["new_tokens"])
                 if "decode_tok_s" in out:
                     out["speedup_vs_dense"] = out["decode_tok_s"] / dense["decode_tok_s"]
+        for name in KEYBOUND_ROWS.values():  # the key-bound step keeps the exact step's keys but near its threshold
+            if exact and name in row["methods"]:
+                out = row["methods"][name]
+                out["agreement_with_sift"] = agreement(exact["new_tokens"], out["new_tokens"])
+                out["speedup_vs_sift"] = out["decode_tok_s"] / exact["decode_tok_s"]
         if args.attention_share:
             share = attention_share(model, ids, args.tau, args.warmup)
             union = share["v_rows_read"]["v_rows_per_kv_head"]

@@ -296,11 +296,19 @@ def test_keybound_bytes():
     assert b["dense"] == 2 * 2 * 4 * 1000 * 256 and math.isclose(b["vs_dense"], b["total"] / b["dense"])
     c = keybound_bytes(2, 4, 1000, 128, 2, candidate_rows=800, v_rows=400, per_channel=True)
     assert c["scan"] == b["scan"] + 2 * 4 * 128 * 8 and c["total"] == b["total"] + 2 * 4 * 128 * 8
+    assert b["scores"] == 0 and b["total_with_scores"] == b["total"]
+    g = keybound_bytes(2, 4, 1000, 128, 2, candidate_rows=800, v_rows=400, group=6)
+    # Estimates written and read for every key and head; candidates' exact scores and positions written and read.
+    assert g["scores"] == 2 * 2 * 4 * 1000 * 6 * 4 + 2 * 800 * (6 * 4 + 4)
+    assert g["total"] == b["total"] and g["total_with_scores"] == g["total"] + g["scores"]
 
 
 # ----------------------------------------------------------------------------- Triton, under the interpreter
 
-TRITON_CASES = [  # B, Hq, Hkv, S, D, dtype, power law, per-channel scales: GQA 1, 2, 4, 6; odd lengths
+#: Splits of up to 48 keys (blocks of 16) and peakier scores (q x 4, no keep-all head): a split's candidates,
+#: a proper subset of its keys, span several tiles of the candidate filter.
+LONG_SPLITS = dict(min_split1=48, fill=0, waves1=0)
+TRITON_CASES = [  # B, Hq, Hkv, S, D, dtype, power law, per-channel scales[, config]: GQA 1, 2, 4, 6, 8; odd lengths
     (2, 4, 4, 37, 64, "float32", False, False),
     (2, 8, 2, 53, 64, "float16", True, False),
     (2, 6, 1, 29, 64, "bfloat16", False, False),
@@ -308,6 +316,8 @@ TRITON_CASES = [  # B, Hq, Hkv, S, D, dtype, power law, per-channel scales: GQA 
     (2, 8, 2, 41, 64, "float16", False, True),  # q' split into two bf16 terms
     (1, 6, 1, 33, 128, "bfloat16", True, True),
     (2, 4, 4, 23, 64, "float32", False, True),  # q' in float32
+    (1, 4, 2, 75, 256, "float16", False, True, LONG_SPLITS),
+    (1, 8, 1, 99, 128, "bfloat16", True, False, LONG_SPLITS),
 ]
 
 
@@ -319,15 +329,18 @@ def _triton_case(i: int) -> list[dict]:
     from siftattention.kernels.plan import PowerLawThreshold
     from siftattention.kernels.triton_decode import KernelConfig
 
-    B, Hq, Hkv, S, D, dt, law, per_channel = TRITON_CASES[i]
+    B, Hq, Hkv, S, D, dt, law, per_channel, *config = TRITON_CASES[i]
     dtype = getattr(torch, dt)
     gen = torch.Generator().manual_seed(seed("triton", i))
     q, k, v, sl, st = range_case(B, Hq, Hkv, S, D, dtype, gen)
+    if config:
+        q = q * 4
     if per_channel:  # outlier channels; the ranges from the first half, the rest quantised as decode keys
         k[..., 1] += 6.0
         k[..., D - 3] *= 20.0
     eta = planted_eta(scores64(q, k, D**-0.5), valid_of(B, S, sl, st), gen)
-    eta[0, 1] = 0.0  # every key
+    if not config:
+        eta[0, 1] = 0.0  # every key
     eta[-1, -1] = 1.0  # the maximum only
     if i == 2:
         eta[0, 2] = float("nan")  # the maximum only
@@ -335,7 +348,8 @@ def _triton_case(i: int) -> list[dict]:
     rows = []
     for renorm in (False, True):
         kern = DecodeKernels.plan(batch=B, q_heads=Hq, kv_heads=Hkv, max_len=S, head_dim=D, dtype=dtype, device="cpu",
-                                  scale=D**-0.5, renormalize=renorm, backend="triton", config=KernelConfig(**SMALL))
+                                  scale=D**-0.5, renormalize=renorm, backend="triton",
+                                  config=KernelConfig(**(SMALL | (config[0] if config else {}))))
         arg = power_law_for(eta, sl, st, gen) if law else eta
         eta_used = arg.eta() if law else eta
         out, kept = kern.sparse_keybound(q, k, v, keys, arg if not law else PowerLawThreshold(*arg), sl, st)
@@ -355,7 +369,7 @@ def _triton_worker(part: str) -> dict:
 @pytest.fixture(scope="module")
 def triton_rows():
     pytest.importorskip("triton")
-    parts = run_interpreted_parts(__file__, "--triton-worker", ["0,2,4", "1,3,5,6"])
+    parts = run_interpreted_parts(__file__, "--triton-worker", ["0,2,4,7", "1,3,5,6,8"])
     return [r for p in parts for r in p["rows"]]
 
 
@@ -459,35 +473,157 @@ def test_per_channel_copy_keeps_the_prompts_ranges():
     assert torch.equal(keys.channel, ranges[0])
 
 
-def test_sift_keybound_generates_through_the_fast_loop(monkeypatch):
-    """Sift(keybound=True) decodes left-padded rows with the key-bound step over the loop's int8 copy, which
-    equals a fresh quantisation of every written key; its tokens are the exact step's."""
+def prompt_ranges(k: torch.Tensor, starts: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``channel_ranges`` of each batch row's valid prompt keys ``k[b, :, starts[b]:length]``, row by row."""
+    parts = [channel_ranges(k[b:b + 1, :, int(starts[b]):length]) for b in range(k.shape[0])]
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+
+def test_per_channel_cache_copy_is_fixed_by_the_prompts_valid_keys():
+    """A "channel" cache copy: after a prompt written in chunks (left padding, an offset channel) its ranges are
+    the valid prompt keys' and the prompt is quantised with them; each later write at a device position (keys
+    beyond those ranges too) is a fresh quantisation with the same ranges."""
     from conftest import tiny_llama
-    from test_generation import _left_padded_batch, _model
+
+    from siftattention.generation.cache import FixedCache
+
+    cache = FixedCache(tiny_llama().config, 14, int8_keys="channel")
+    layer = cache.layers[1]
+    gen = torch.Generator().manual_seed(5)
+    prompt = torch.randn(3, 2, 8, 16, generator=gen) * torch.linspace(0.1, 3, 16)
+    prompt[..., 3] += 20.0
+    prompt[1, :, :2] = 50.0  # padding: far outside the valid keys, must not widen their ranges
+    prompt[2, :, :5] = -7.0
+    starts = torch.tensor([0, 2, 5], dtype=torch.int32)
+    for a, b in ((0, 3), (3, 8)):
+        layer.update(prompt[:, :, a:b], prompt[:, :, a:b])
+    cache.finish_prompt(starts)
+    ranges = prompt_ranges(prompt, starts, 8)
+    assert torch.equal(layer.key_copy.channel, ranges[0]) and torch.equal(layer.key_copy.offset, ranges[1])
+    assert not torch.equal(ranges[1], channel_ranges(prompt)[1])
+    cache.position.tensor = torch.tensor([8])
+    for n in range(8, 15):
+        fresh = quantize_keys(layer.keys[:, :, :n], ranges)
+        assert torch.equal(layer.key_copy.values[:, :, :n], fresh.values), n
+        assert torch.equal(layer.key_copy.scales[:, :, :n], fresh.scales), n
+        if n < 14:
+            k = torch.randn(3, 2, 1, 16, generator=gen) * (1 + 10 * (n % 2))
+            layer.update(k, k)
+            cache.position.tensor += 1
+    assert cache.key_copy_bytes() == layer.key_copy.nbytes() == 3 * 2 * (14 * (16 + 4) + 16 * 8)
+    with pytest.raises(ValueError, match="int8_keys must be False, True, 'row' or 'channel'"):
+        FixedCache(tiny_llama().config, 4, int8_keys="col")
+
+
+def _biased_qwen2():
+    """A tiny Qwen2 (GQA 4/2) whose key bias makes two channels offsets far larger than the rest, as Qwen's."""
+    from conftest import tiny_qwen2
+    from test_generation import _model
+
+    model = _model(lambda: tiny_qwen2(kv_heads=2))
+    with torch.no_grad():
+        for layer in model.model.layers:
+            bias = layer.self_attn.k_proj.bias.view(2, -1)
+            bias[:, 1] += 6.0
+            bias[:, 9] -= 4.0
+    return model
+
+
+@pytest.mark.parametrize("form", [True, "channel"])
+def test_sift_keybound_generates_through_the_fast_loop(monkeypatch, form):
+    """Sift(keybound=...) decodes left-padded rows (the prompt in chunks) with the key-bound step over the
+    loop's int8 copy, which equals a fresh quantisation of every written key (per channel: with the ranges
+    of each row's valid prompt keys); every step keeps the float64 rule's keys except those within its
+    epsilon of the threshold, and the tokens are the exact step's."""
+    from test_generation import _left_padded_batch
 
     from siftattention import Sift
     from siftattention.generation import generate, loop
     from siftattention.kernels import DecodeKernels
 
-    model = _model(tiny_llama)
+    model = _biased_qwen2()
     ids, mask = _left_padded_batch()
-    caches, calls = [], []
+    caches, steps = [], []
     real_cache, real_step = loop.FixedCache, DecodeKernels.sparse_keybound
+
+    def checked_step(self, q, k, v, keys, eta, seq_lens, starts=None):
+        out, kept = real_step(self, q, k, v, keys, eta, seq_lens, starts)
+        eta = eta.eta() if hasattr(eta, "eta") else eta
+        L = int(seq_lens.max())
+        sliced = type(keys)(keys.values[:, :, :L], keys.scales[:, :, :L], keys.channel, keys.offset)
+        r = keybound_step_torch(q, k[:, :, :L], v[:, :, :L], sliced, eta, self.scale, seq_lens, False, starts)
+        valid = valid_of(q.shape[0], L, seq_lens, starts)
+        s64 = scores64(q, k[:, :, :L], self.scale)
+        keep64, t = ref_keep64(s64, valid, eta)
+        near = (s64 - t[..., None]).abs() <= r["epsilon"].double()[..., None] + 1e-4
+        steps.append(dict(same=bool(((r["keep"] != keep64) & ~near).sum() == 0), kept=torch.equal(kept, r["kept"]),
+                          cand=float(r["candidates"].sum()) / float(valid.sum() * k.shape[1])))
+        return out, kept
+
     monkeypatch.setattr(loop, "FixedCache", lambda *a, **kw: caches.append(real_cache(*a, **kw)) or caches[-1])
-    monkeypatch.setattr(DecodeKernels, "sparse_keybound", lambda self, *a: calls.append(1) or real_step(self, *a))
-    kw = dict(max_new_tokens=10, eos_token_id=-1, pad_token_id=0)
+    monkeypatch.setattr(DecodeKernels, "sparse_keybound", checked_step)
+    kw = dict(max_new_tokens=10, eos_token_id=-1, pad_token_id=0, prefill_chunk=5)
     method = dict(tau=0.5, warmup=4, warmup_source="decode")
-    res = generate(model, ids, mask, Sift(keybound=True, **method), **kw)
+    res = generate(model, ids, mask, Sift(keybound=form, **method), **kw)
     exact = generate(model, ids, mask, Sift(**method), **kw)
-    assert calls and res.fast and torch.equal(res.sequences, exact.sequences)
+    assert res.fast and torch.equal(res.sequences, exact.sequences)
+    assert len(steps) == 2 * 5 and all(s["same"] and s["kept"] for s in steps), steps
     assert res.timings["key_copy_bytes"] == caches[0].key_copy_bytes() > 0 and "key_copy_bytes" not in exact.timings
     written = 13 + 9  # the prompt, then every decode step's token
+    starts = 13 - mask.sum(1)
     for layer in caches[0].layers:
-        fresh = quantize_keys(layer.keys[:, :, :written])
+        k = layer.keys[:, :, :written]
+        ranges = prompt_ranges(k, starts, 13) if form == "channel" else None
+        fresh = quantize_keys(k, ranges)
+        assert (layer.key_copy.channel is None) == (form is True)
         assert torch.equal(layer.key_copy.values[:, :, :written], fresh.values)
         assert torch.equal(layer.key_copy.scales[:, :, :written], fresh.scales)
-    with pytest.raises(ValueError, match="keybound=True needs normalizer='exact'"):
-        Sift(keybound=True, normalizer="anchored")
+    with pytest.raises(ValueError, match="keybound needs normalizer='exact'"):
+        Sift(keybound=form, normalizer="anchored")
+
+
+@needs_cuda
+@pytest.mark.parametrize("form", ["row", "channel"])
+def test_cuda_sift_keybound_fast_loop_captures(monkeypatch, form):
+    """On CUDA the key-bound step and the copy's one-token writes run inside the loop's graphs: the copy is
+    still a fresh quantisation of every written key, and the tokens are the exact step's."""
+    from test_generation import _left_padded_batch
+
+    from siftattention import Sift
+    from siftattention.generation import generate, loop
+
+    model = _biased_qwen2().cuda()
+    ids, mask = (x.cuda() for x in _left_padded_batch())
+    caches = []
+    real_cache = loop.FixedCache
+    monkeypatch.setattr(loop, "FixedCache", lambda *a, **kw: caches.append(real_cache(*a, **kw)) or caches[-1])
+    kw = dict(max_new_tokens=12, eos_token_id=-1, pad_token_id=0, prefill_chunk=5, cuda_graphs=True)
+    method = dict(tau=0.5, warmup=4, warmup_source="decode")
+    res = generate(model, ids, mask, Sift(keybound=form, **method), **kw)
+    exact = generate(model, ids, mask, Sift(**method), **kw)
+    assert res.fast and torch.equal(res.sequences, exact.sequences)
+    written, starts = 13 + 11, 13 - mask.sum(1)
+    for layer in caches[0].layers:
+        k = layer.keys[:, :, :written]
+        fresh = quantize_keys(k, prompt_ranges(k, starts, 13) if form == "channel" else None)
+        assert torch.equal(layer.key_copy.values[:, :, :written], fresh.values)
+        assert torch.equal(layer.key_copy.scales[:, :, :written], fresh.scales)
+
+
+def test_sift_keybound_option_values():
+    """keybound takes False, True (= "row"), "row" or "channel", in code and in a method spec."""
+    from siftattention import Sift
+    from siftattention.methods import SpecError, parse_method
+
+    assert Sift(keybound=True) == Sift(keybound="row") and Sift(keybound=True).keybound == "row"
+    assert Sift().keybound is False and "keybound" not in Sift().spec()
+    assert parse_method(Sift(keybound="channel").spec()) == Sift(keybound="channel")
+    assert parse_method("sift:keybound=true").keybound == "row"
+    for bad in ("col", 2, None):
+        with pytest.raises(ValueError, match="keybound must be False, True, 'row' or 'channel'"):
+            Sift(keybound=bad)
+    with pytest.raises(SpecError, match="is not one of true/false/row/channel"):
+        parse_method("sift:keybound=col")
 
 
 if __name__ == "__main__" and "--triton-worker" in sys.argv:

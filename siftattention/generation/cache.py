@@ -10,7 +10,9 @@ keep every position too: their window is a start offset of the valid range.
 
 With ``int8_keys`` every layer also keeps an int8 copy of its keys (``kernels.keybound``: int8
 values and a float32 scale per key row, +25% of a bf16 KV cache at D = 128), written with each
-key, for the key-bound sift step.
+key, for the key-bound sift step. Its ``"channel"`` form adds per-channel scales and offsets per
+(batch row, KV head), fixed by the prompt's valid keys once the whole prompt is in (``finish_prompt``):
+the prompt is quantised then, and every later key with those ranges.
 """
 
 from __future__ import annotations
@@ -20,7 +22,16 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from ..kernels.keybound import Int8Keys, new_int8_keys, write_int8_keys
+from ..kernels.keybound import KEY_FORMS, Int8Keys, new_int8_keys, write_int8_keys
+
+
+def key_copy_form(int8_keys: bool | str) -> str | None:
+    """The int8 key copy's form for ``int8_keys``: None (no copy), "row" (True too) or "channel"."""
+    if int8_keys is True or int8_keys in KEY_FORMS:
+        return "row" if int8_keys is True else int8_keys
+    if int8_keys is False or int8_keys is None:
+        return None
+    raise ValueError(f"int8_keys must be False, True, 'row' or 'channel', got {int8_keys!r}")
 
 
 class WritePosition:
@@ -41,13 +52,13 @@ class FixedLayer(CacheLayerMixin):
 
     is_compileable = True
 
-    def __init__(self, position: WritePosition, max_len: int, sliding: bool, int8_keys: bool = False) -> None:
+    def __init__(self, position: WritePosition, max_len: int, sliding: bool, int8_keys: bool | str = False) -> None:
         super().__init__()
         self.position = position
         self.max_len = max_len
         self.is_sliding = sliding
         self.length = 0  # keys written by the prompt (host-side; decode writes are counted on the device)
-        self.int8_keys = int8_keys
+        self.int8_keys = key_copy_form(int8_keys)
         self.key_copy: Int8Keys | None = None  # allocated with the buffers where int8_keys
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any) -> None:
@@ -56,7 +67,7 @@ class FixedLayer(CacheLayerMixin):
         self.keys = key_states.new_zeros(B, H, self.max_len, Dk)
         self.values = value_states.new_zeros(B, H, self.max_len, value_states.shape[-1])
         if self.int8_keys:
-            self.key_copy = new_int8_keys(B, H, self.max_len, Dk, self.device)
+            self.key_copy = new_int8_keys(B, H, self.max_len, Dk, self.device, per_channel=self.int8_keys == "channel")
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,10 +85,20 @@ class FixedLayer(CacheLayerMixin):
             raise ValueError(f"the prompt needs {self.length + n} cache positions, the cache holds {self.max_len}")
         self.keys[:, :, self.length : self.length + n] = key_states
         self.values[:, :, self.length : self.length + n] = value_states
-        if self.key_copy is not None:
+        if self.key_copy is not None and self.key_copy.channel is None:  # per channel: at finish_prompt
             write_int8_keys(self.key_copy, key_states, start=self.length)
         self.length += n
         return self.keys[:, :, : self.length], self.values[:, :, : self.length]
+
+    def finish_prompt(self, starts: torch.Tensor) -> None:
+        """A per-channel copy: its ranges from the prompt's keys at or after ``starts`` [B] (left padding
+        left out), then the whole prompt quantised with them."""
+        copy = self.key_copy
+        if copy is None or copy.channel is None or not self.length:
+            return
+        for b in range(copy.values.shape[0]):  # a row at a time: float32 temporaries of one row's prompt
+            row = Int8Keys(*(t[b:b + 1] for t in copy))  # views: the writes land in the copy
+            write_int8_keys(row, self.keys[b:b + 1, :, : self.length], start=0, fix_channel=True, starts=starts[b:b + 1])
 
     def get_mask_sizes(self, query_length: int, *args: Any) -> tuple[int, int]:
         return self.length + query_length, 0
@@ -94,15 +115,20 @@ class FixedLayer(CacheLayerMixin):
 
 class FixedCache(Cache):
     """transformers ``Cache`` of ``FixedLayer``s: one per decoder layer of ``config`` (``int8_keys``: each
-    with an int8 copy of its keys)."""
+    with an int8 copy of its keys, ``"row"`` (or True) or ``"channel"``)."""
 
-    def __init__(self, config: Any, max_len: int, int8_keys: bool = False) -> None:
+    def __init__(self, config: Any, max_len: int, int8_keys: bool | str = False) -> None:
         text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         layer_types = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
         self.position = WritePosition()
         super().__init__(layers=[FixedLayer(self.position, max_len, kind == "sliding_attention", int8_keys)
                                  for kind in layer_types])
         self.max_len = max_len
+
+    def finish_prompt(self, starts: torch.Tensor) -> None:
+        """After the prompt's last write: fix every per-channel key copy's ranges (``FixedLayer.finish_prompt``)."""
+        for layer in self.layers:
+            layer.finish_prompt(starts)
 
     def key_copy(self, layer: int) -> Int8Keys | None:
         """The int8 key copy of ``layer`` (None without ``int8_keys``)."""

@@ -223,6 +223,7 @@ class _Loop:
             if "cache_position" in self.accepts:
                 kwargs["cache_position"] = torch.arange(a, b, device=self.device)
             logits = self.model(input_ids=input_ids[:, a:b], **kwargs).logits[:, -1]
+        self.cache.finish_prompt(self.ctx.starts)
         self.positions.copy_(positions[:, -1] + 1)
         self._emit(logits, torch.zeros(1, dtype=torch.long, device=self.device))
         self.cache.position.tensor = self.ctx.write_pos

@@ -63,6 +63,9 @@ CHANNEL_FLOOR = 2.0**-10
 OFFSET_ROUNDING = 2.0**-14
 _TINY_ROW = _TINY / CHANNEL_FLOOR  # r c_d >= 2^-126: normal, as the per-row scale
 _LN2 = 0.6931471805599453
+#: The int8 copy's forms: a scale per key row, or per-channel scales and offsets fixed by the prompt (and a
+#: factor per row).
+KEY_FORMS = ("row", "channel")
 
 
 class Int8Keys(NamedTuple):
@@ -78,14 +81,23 @@ class Int8Keys(NamedTuple):
         return sum(t.numel() * t.element_size() for t in self if t is not None)
 
 
-def channel_ranges(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def channel_ranges(k: torch.Tensor, starts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-channel scales ``c_d`` and offsets ``o_d`` [B, Hkv, D] float32 of keys ``k`` [B, Hkv, n, D]: ``o``
     the midpoint of each channel's range over the rows, ``c`` its half-width over the widest channel's,
-    floored at ``CHANNEL_FLOOR`` (all ones for constant keys)."""
+    floored at ``CHANNEL_FLOOR`` (all ones for constant keys). ``starts`` [B]: only rows at or after
+    ``starts[b]`` count (left padding); a batch row with none gets ``c = 1, o = 0``."""
     kf = k.to(torch.float64 if k.dtype == torch.float64 else torch.float32)
-    hi, lo = kf.amax(2), kf.amin(2)
+    if starts is None:
+        hi, lo = kf.amax(2), kf.amin(2)
+    else:
+        valid = (torch.arange(k.shape[2], device=k.device) >= starts.to(k.device)[:, None])[:, None, :, None]
+        hi = torch.where(valid, kf, float("-inf")).amax(2)
+        lo = torch.where(valid, kf, float("inf")).amin(2)
+        empty = hi < lo  # no valid row
+        hi, lo = torch.where(empty, 0.0, hi), torch.where(empty, 0.0, lo)
     offset = (hi / 2 + lo / 2).float()  # halves first: no overflow at the dtype's limits
-    half = (kf - offset.to(kf.dtype)[:, :, None, :]).abs().amax(2)
+    dev = (kf - offset.to(kf.dtype)[:, :, None, :]).abs()
+    half = (dev if starts is None else torch.where(valid, dev, 0.0)).amax(2)
     top = half.amax(-1, keepdim=True)
     c = torch.where(top > 0, half / torch.where(top > 0, top, 1.0), 1.0)
     return c.clamp_min(CHANNEL_FLOOR).float(), offset
@@ -121,12 +133,13 @@ def new_int8_keys(batch: int, kv_heads: int, max_len: int, head_dim: int, device
 
 
 def write_int8_keys(keys: Int8Keys, k: torch.Tensor, start: int | None = None, index: torch.Tensor | None = None,
-                    fix_channel: bool = False) -> None:
+                    fix_channel: bool = False, starts: torch.Tensor | None = None) -> None:
     """Quantise ``k`` [B, Hkv, n, D] into ``keys`` at positions ``[start, start + n)`` or at the device
     positions ``index`` [n] (no host sync: the fast loop's one-token writes). A per-channel copy takes
-    its channel scales and offsets from ``k`` where ``fix_channel`` (the prompt's write), else keeps them."""
+    its channel scales and offsets from ``k`` where ``fix_channel`` (the prompt's write; ``starts`` [B]: from
+    the rows at or after ``starts[b]`` only, as ``channel_ranges``), else keeps them."""
     if keys.channel is not None and fix_channel:
-        c, o = channel_ranges(k)
+        c, o = channel_ranges(k, starts)
         keys.channel.copy_(c)
         keys.offset.copy_(o)
     new = quantize_keys(k, None if keys.channel is None else (keys.channel, keys.offset))
@@ -171,8 +184,9 @@ def keybound_step_torch(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, keys: Int8Keys, eta: torch.Tensor, scale: float,
     seq_lens: torch.Tensor | None, renormalize: bool, starts: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
-    """The key-bound step with its intermediate terms: ``out``, ``kept`` [B, Hq], ``candidates`` [B, Hkv, S]
-    (key rows read in full), ``epsilon`` [B, Hq] (bound on |T_est - T| in nats), ``t_lo`` and ``t_est`` [B, Hq]."""
+    """The key-bound step with its intermediate terms: ``out``, ``kept`` [B, Hq], ``keep`` [B, Hq, S] (the kept
+    keys), ``candidates`` [B, Hkv, S] (key rows read in full), ``epsilon`` [B, Hq] (bound on |T_est - T| in
+    nats), ``t_lo`` and ``t_est`` [B, Hq]."""
     B, Hq, D = q.shape
     Hkv, S = k_cache.shape[1], k_cache.shape[2]
     G = Hq // Hkv
@@ -205,7 +219,7 @@ def keybound_step_torch(
     z_hi = torch.logaddexp(z_c, torch.logsumexp(torch.where(nc, hi, ninf), -1))
     z_lo = torch.logaddexp(z_c, torch.logsumexp(torch.where(nc, lo, ninf), -1))
     epsilon = torch.where(z_lo == float("-inf"), 0.0, z_hi - z_lo)
-    return dict(out=out, kept=kept, candidates=candidates, epsilon=epsilon, t_lo=t_lo, t_est=t_est)
+    return dict(out=out, kept=kept, keep=keep, candidates=candidates, epsilon=epsilon, t_lo=t_lo, t_est=t_est)
 
 
 def sift_keybound_decode_torch(
@@ -219,16 +233,22 @@ def sift_keybound_decode_torch(
 
 
 def keybound_bytes(batch: int, kv_heads: int, keys: int | float, head_dim: int, elem_bytes: int,
-                   candidate_rows: int | float, v_rows: int | float, per_channel: bool = False) -> dict[str, float]:
+                   candidate_rows: int | float, v_rows: int | float, per_channel: bool = False,
+                   group: int = 0) -> dict[str, float]:
     """Bytes one key-bound step must read: the int8 keys and their scales (``keys`` valid positions per
     (batch, KV head) row; ``per_channel``: and the channel scales and offsets of each (batch, KV head)), the candidates'
     full K rows and the kept V rows (both counts summed over the batch and KV heads), against the dense
-    step's K + V. The float32 scores it writes and reads back (as the exact step does) are not counted:
-    they may stay in L2."""
+    step's K + V (``total``, ``vs_dense``). ``scores``: the float32 score traffic, with ``group`` query heads per
+    KV head (0: not counted): the scan writes an estimate per key and head, refine reads them all and writes
+    the candidates' exact scores and positions compacted, the candidate filter reads those back (the exact
+    step writes and reads a score per key and head: ``2 * 4 * group`` bytes a key row). Kept apart from
+    ``total``: much of it may stay in L2; ``total_with_scores`` counts it all."""
     rows = batch * kv_heads * keys
     scan = rows * (head_dim + 4) + (batch * kv_heads * head_dim * 8 if per_channel else 0)
     k_full = candidate_rows * head_dim * elem_bytes
     v = v_rows * head_dim * elem_bytes
     total = scan + k_full + v
+    scores = 2 * rows * 4 * group + 2 * candidate_rows * (4 * group + 4) if group else 0
     dense = 2 * rows * head_dim * elem_bytes
-    return dict(scan=scan, candidate_k=k_full, kept_v=v, total=total, dense=dense, vs_dense=total / dense)
+    return dict(scan=scan, candidate_k=k_full, kept_v=v, total=total, dense=dense, vs_dense=total / dense,
+                scores=scores, total_with_scores=total + scores)

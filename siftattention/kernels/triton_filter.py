@@ -308,45 +308,62 @@ def _filter_kernel(
     tl.store(Part + pst[:, None] * BLOCK_D + offs_d[None, :], acc * inv_l[:, None], mask=g_mask[:, None])
     tl.store(Mass + pst, mass * inv_l, mask=g_mask)
     if FUSED_COMBINE:
-        tl.debug_barrier()  # every thread's partial stores precede the release below
-        done = tl.atomic_add(Sem + bh, 1, sem="acq_rel", scope="gpu")
-        if done == NUM_SPLITS2 - 1:
-            if RESET_SYNC:
-                # Every program of this row has passed its wait and its count: zero both
-                # counters for the next call (saves a memset launch per call).
-                tl.store(Sem + bh, 0)
-                tl.store(Arrive + bh, 0)
-            # Sum the split partials on a G-row head tile, CH splits per load (one dependent
-            # load per split would serialise ~0.5 us each: most of the tail at small B).
-            offs_ga = tl.arange(0, BLOCK_GA)
-            ga_mask = offs_ga < G
-            row_c = b.to(tl.int64) * HQ + hkv * G + offs_ga
-            offs_c = tl.arange(0, CH)
-            tot = tl.zeros([BLOCK_GA, BLOCK_D], tl.float32)
-            tot_mass = tl.zeros([BLOCK_GA], tl.float32)
-            kept = tl.zeros([BLOCK_GA], tl.int32)
-            for j0 in range(0, NUM_SPLITS2, CH):
-                js = j0 + offs_c
-                pj = row_c[None, :] * NUM_SPLITS2 + js[:, None]  # [CH, GA]
-                m2 = (js < NUM_SPLITS2)[:, None] & ga_mask[None, :]
-                tot += tl.sum(tl.load(Part + pj[:, :, None] * BLOCK_D + offs_d[None, None, :], mask=m2[:, :, None],
-                                      other=0.0, cache_modifier=".cg"), axis=0)
-                tot_mass += tl.sum(tl.load(Mass + pj, mask=m2, other=0.0, cache_modifier=".cg"), axis=0)
-                kept += tl.sum(tl.load(Cnt + pj, mask=m2, other=0, cache_modifier=".cg"), axis=0)
-            if RENORMALIZE:  # the kept mass is 0 only on a row without keys, whose output stays 0
-                tot = tot / tl.where(ga_mask & (tot_mass > 0.0), tot_mass, 1.0)[:, None]
-            if VMC:
-                mean = _value_mean(ValueSum, bh, end_row - begin, offs_d, d_mask, D)
-                tot += (1.0 - tot_mass)[:, None] * mean[None, :]
-            h = hkv * G + offs_ga
-            tl.store(
-                Out + b.to(tl.int64) * stride_ob + h[:, None] * stride_oh + offs_d[None, :] * stride_od,
-                tot.to(Out.dtype.element_ty), mask=ga_mask[:, None] & d_mask[None, :],
-            )
-            if WRITE_KEPT:
-                tl.store(Kept + row_c, kept, mask=ga_mask)
-            if ANCHORED:  # every program of the row read the previous gap before it arrived
+        last = _combine_last(Part, Mass, Cnt, Out, Kept, ValueSum, Sem, Arrive, bh, b, hkv, end_row - begin, offs_d,
+                             d_mask, stride_ob, stride_oh, stride_od, NUM_SPLITS2, HQ, G, BLOCK_GA, D, BLOCK_D, CH,
+                             RESET_SYNC, RENORMALIZE, VMC, WRITE_KEPT)
+        if ANCHORED:
+            if last:  # every program of the row read the previous gap before it arrived
                 tl.store(Gap + row, _gap(m, l, a2), mask=g_mask)
+
+
+@triton.jit
+def _combine_last(Part, Mass, Cnt, Out, Kept, ValueSum, Sem, Arrive, bh, b, hkv, n_keys, offs_d, d_mask,
+                  stride_ob, stride_oh, stride_od, NUM_SPLITS, HQ: tl.constexpr, G: tl.constexpr,
+                  BLOCK_GA: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, CH: tl.constexpr,
+                  RESET_SYNC: tl.constexpr, RENORMALIZE: tl.constexpr, VMC: tl.constexpr, WRITE_KEPT: tl.constexpr):
+    """Called by each split program of (batch, KV head) ``bh`` once its partials (``Part``, ``Mass``, ``Cnt`` at
+    [row, split]) are stored: the last to arrive (a counter in ``Sem``) sums them, renormalises or adds the
+    value-mean compensation (``n_keys`` valid keys) if asked and writes the output and kept counts. Returns
+    whether this program was the last."""
+    tl.debug_barrier()  # every thread's partial stores precede the release below
+    done = tl.atomic_add(Sem + bh, 1, sem="acq_rel", scope="gpu")
+    last = done == NUM_SPLITS - 1
+    if last:
+        if RESET_SYNC:
+            # Every program of this row has passed its wait and its count: zero both
+            # counters for the next call (saves a memset launch per call).
+            tl.store(Sem + bh, 0)
+            tl.store(Arrive + bh, 0)
+        # Sum the split partials on a G-row head tile, CH splits per load (one dependent
+        # load per split would serialise ~0.5 us each: most of the tail at small B).
+        offs_ga = tl.arange(0, BLOCK_GA)
+        ga_mask = offs_ga < G
+        row_c = b.to(tl.int64) * HQ + hkv * G + offs_ga
+        offs_c = tl.arange(0, CH)
+        tot = tl.zeros([BLOCK_GA, BLOCK_D], tl.float32)
+        tot_mass = tl.zeros([BLOCK_GA], tl.float32)
+        kept = tl.zeros([BLOCK_GA], tl.int32)
+        for j0 in range(0, NUM_SPLITS, CH):
+            js = j0 + offs_c
+            pj = row_c[None, :] * NUM_SPLITS + js[:, None]  # [CH, GA]
+            m2 = (js < NUM_SPLITS)[:, None] & ga_mask[None, :]
+            tot += tl.sum(tl.load(Part + pj[:, :, None] * BLOCK_D + offs_d[None, None, :], mask=m2[:, :, None],
+                                  other=0.0, cache_modifier=".cg"), axis=0)
+            tot_mass += tl.sum(tl.load(Mass + pj, mask=m2, other=0.0, cache_modifier=".cg"), axis=0)
+            kept += tl.sum(tl.load(Cnt + pj, mask=m2, other=0, cache_modifier=".cg"), axis=0)
+        if RENORMALIZE:  # the kept mass is 0 only on a row without keys, whose output stays 0
+            tot = tot / tl.where(ga_mask & (tot_mass > 0.0), tot_mass, 1.0)[:, None]
+        if VMC:
+            mean = _value_mean(ValueSum, bh, n_keys, offs_d, d_mask, D)
+            tot += (1.0 - tot_mass)[:, None] * mean[None, :]
+        h = hkv * G + offs_ga
+        tl.store(
+            Out + b.to(tl.int64) * stride_ob + h[:, None] * stride_oh + offs_d[None, :] * stride_od,
+            tot.to(Out.dtype.element_ty), mask=ga_mask[:, None] & d_mask[None, :],
+        )
+        if WRITE_KEPT:
+            tl.store(Kept + row_c, kept, mask=ga_mask)
+    return last
 
 
 @triton.jit

@@ -24,6 +24,7 @@ SPEC_HELP = """Method spec grammar: NAME[:KEY=VALUE[,KEY=VALUE...]]
   sift:tau=0.875,warmup=128[,renormalize=false][,warmup_source=prompt|decode|prefill]
        [,recalibrate_every=64][,recalibrate_decay=0.9][,warmup_tolerance=0][,warmup_min=16]
        [,normalizer=exact|anchored][,anchor_first=64][,anchor_last=256][,vmc=false]
+       [,keybound=false|row|channel]   (keybound: the fast loop's key-bound step, int8 key copy)
   oracle:tau=0.875[,renormalize=false][,vmc=false]   exact per-step tau-quantile threshold
   toptheta:k=64[,renormalize=false][,vmc=true][,first_layers=2][,first_k=512][,sigma=0.1]
        [,calibration=c4][,calib_seqs=8][,calib_len=1024]   calibrated score thresholds (Top-theta)
@@ -36,13 +37,17 @@ class SpecError(ValueError):
     """A method spec that cannot be parsed; the message names the bad part."""
 
 
-def _convert(method: str, key: str, text: str, default: object) -> object:
+def _convert(method: str, key: str, text: str, default: object, words: tuple[str, ...] = ()) -> object:
     if isinstance(default, bool):
         low = text.lower()
         if low in ("true", "1", "yes"):
             return True
         if low in ("false", "0", "no"):
             return False
+        if low in words:  # a boolean option with named settings too (Sift's keybound)
+            return low
+        if words:
+            raise SpecError(f"{method}: {key}={text!r} is not one of true/false/{'/'.join(words)}")
         raise SpecError(f"{method}: {key}={text!r} is not a boolean (true/false)")
     if isinstance(default, int):
         try:
@@ -76,7 +81,7 @@ def parse_method(spec: str) -> Method:
             raise SpecError(f"{name}: unknown parameter {key!r}; allowed: {', '.join(defaults) or 'none'}")
         if key in kwargs:
             raise SpecError(f"{spec!r} gives {key} more than once")
-        kwargs[key] = _convert(name, key, value.strip(), defaults[key])
+        kwargs[key] = _convert(name, key, value.strip(), defaults[key], cls.spec_words.get(key, ()))
     try:
         return cls(**kwargs)
     except ValueError as err:

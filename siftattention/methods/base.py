@@ -303,6 +303,8 @@ class Method:
     #: parameters ``spec()`` names only where they differ from their defaults (options added later
     #: keep the specs, and the result file names made from them, of the methods that do not use them)
     spec_optional: ClassVar[tuple[str, ...]] = ()
+    #: words a boolean field also takes in a spec, besides true/false (``keybound=channel``)
+    spec_words: ClassVar[dict[str, tuple[str, ...]]] = {}
 
     def new_state(self, batch: int, heads: int, device: torch.device, layer: int = 0) -> Any:
         """Per-(sequence, head) state for layer ``layer``; None when the method keeps none."""

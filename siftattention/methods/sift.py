@@ -12,10 +12,13 @@ previous step's gap between the exact log-sum-exp and the anchor sum. In probabi
 ``g_t = -log(sum of p_t over the anchors)``, a key is kept when
 ``p > eta * exp(g_{t-1} - g_t)``. The kept keys still get the exact normaliser.
 
-``keybound=True`` (beyond the paper) runs each sparse step as the key-bound step
-(``kernels.keybound``): an int8 copy of the keys, kept by the fast loop's cache, bounds every
-score, and only keys the bound cannot drop are read in full. It keeps the exact step's keys except
+``keybound="row"`` or ``"channel"`` (beyond the paper; True means "row") runs each sparse step as the
+key-bound step (``kernels.keybound``): an int8 copy of the keys, kept by the fast loop's cache, bounds
+every score, and only keys the bound cannot drop are read in full. It keeps the exact step's keys except
 those within a small epsilon of the threshold; elsewhere (no copy in the cache) the exact step runs.
+"row" scales each key row by its largest channel; "channel" also scales and offsets each channel by its
+range over the prompt's keys (per sequence and KV head), which bounds keys with outlier channels (a key
+bias, as Qwen's) far tighter.
 
 Calibration (beyond the paper; docs/design.md, "Calibration"): by default a decode fits each
 (sequence, layer, head) on the prompt's own exact rows, ``PromptCalibration.rows`` rows spaced
@@ -36,6 +39,7 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
+from ..kernels.keybound import KEY_FORMS
 from ..kernels.plan import DecodeKernels, PowerLawThreshold, resolve_backend
 from ..kernels.torch_ref import anchor_mask
 from ..powerlaw import PowerLawFit, PowerLawSums, fit_power_law, masked_quantile, predict_log
@@ -85,6 +89,19 @@ class SiftState(ThresholdState):
     def alpha(self) -> torch.Tensor:
         """[B, H] exp(log_alpha) of fitted rows (inf or 0 where it leaves float32's range), 1 elsewhere."""
         return torch.where(self.fitted[:, None], self.log_alpha.exp(), torch.ones_like(self.log_alpha))
+
+
+def _keybound_form(value: object) -> Literal[False, "row", "channel"]:
+    """``Sift.keybound`` as False or a form of the int8 key copy (True is "row")."""
+    if isinstance(value, str) and value in KEY_FORMS:
+        return value  # type: ignore[return-value]
+    try:
+        on = check_bool("keybound", value)
+    except ValueError:
+        on = None
+    if on is None:
+        raise ValueError(f"keybound must be False, True, 'row' or 'channel', got {value!r}")
+    return "row" if on else False
 
 
 @dataclass(frozen=True)
@@ -171,11 +188,12 @@ class Sift(ThresholdMethod):
     warmup_tolerance: float = 0.0
     warmup_min: int = 16
     vmc: bool = False
-    keybound: bool = False
+    keybound: bool | Literal["row", "channel"] = False
     name = "sift"
     #: shown in ``spec()`` only where they differ from their defaults
     spec_optional: ClassVar[tuple[str, ...]] = ("normalizer", "anchor_first", "anchor_last", "recalibrate_every",
                                                 "recalibrate_decay", "warmup_tolerance", "warmup_min", "vmc", "keybound")
+    spec_words: ClassVar[dict[str, tuple[str, ...]]] = {"keybound": KEY_FORMS}
     #: the prompt rows a decode calibrates on (``warmup_source="prompt"``)
     calibration: ClassVar[PromptCalibration] = PromptCalibration()
 
@@ -201,11 +219,11 @@ class Sift(ThresholdMethod):
         if self.anchor_first + self.anchor_last == 0:
             raise ValueError("anchor_first + anchor_last must be at least 1")
         self.vmc = check_vmc(self.vmc, self.renormalize)
-        self.keybound = check_bool("keybound", self.keybound)
+        self.keybound = _keybound_form(self.keybound)
         if self.keybound and self.anchored:
-            raise ValueError("keybound=True needs normalizer='exact' (the key-bound step computes the exact normaliser's bounds)")
+            raise ValueError("keybound needs normalizer='exact' (the key-bound step computes the exact normaliser's bounds)")
         if self.keybound and self.vmc:
-            raise ValueError("keybound=True does not compensate (vmc=True): the key-bound step has no value sum")
+            raise ValueError("keybound does not compensate (vmc=True): the key-bound step has no value sum")
         # Host-side, set by each prompt: the decode step where the decode warmup ends (0: no decode warmup),
         # and whether the batch was calibrated on its prompts (only such fits recalibrate).
         self._warmup_end = 0 if self.warmup_source == "prefill" else self.warmup
