@@ -298,15 +298,16 @@ def test_keybound_bytes():
     assert c["scan"] == b["scan"] + 2 * 4 * 128 * 8 and c["total"] == b["total"] + 2 * 4 * 128 * 8
     assert b["scores"] == 0 and b["total_with_scores"] == b["total"]
     g = keybound_bytes(2, 4, 1000, 128, 2, candidate_rows=800, v_rows=400, group=6)
-    # Estimates written and read for every key and head; candidates' exact scores and positions written and read.
-    assert g["scores"] == 2 * 2 * 4 * 1000 * 6 * 4 + 2 * 800 * (6 * 4 + 4)
+    # Estimates written once and read twice for every key and head; the candidates' exact scores written over
+    # them, their positions written and read back.
+    assert g["scores"] == 3 * 2 * 4 * 1000 * 6 * 4 + 800 * (6 * 4 + 2 * 4)
     assert g["total"] == b["total"] and g["total_with_scores"] == g["total"] + g["scores"]
 
 
 # ----------------------------------------------------------------------------- Triton, under the interpreter
 
 #: Splits of up to 48 keys (blocks of 16) and peakier scores (q x 4, no keep-all head): a split's candidates,
-#: a proper subset of its keys, span several tiles of the candidate filter.
+#: a proper subset of its keys, span several of refine's tiles.
 LONG_SPLITS = dict(min_split1=48, fill=0, waves1=0)
 TRITON_CASES = [  # B, Hq, Hkv, S, D, dtype, power law, per-channel scales[, config]: GQA 1, 2, 4, 6, 8; odd lengths
     (2, 4, 4, 37, 64, "float32", False, False),

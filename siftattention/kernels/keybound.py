@@ -239,16 +239,17 @@ def keybound_bytes(batch: int, kv_heads: int, keys: int | float, head_dim: int, 
     (batch, KV head) row; ``per_channel``: and the channel scales and offsets of each (batch, KV head)), the candidates'
     full K rows and the kept V rows (both counts summed over the batch and KV heads), against the dense
     step's K + V (``total``, ``vs_dense``). ``scores``: the float32 score traffic, with ``group`` query heads per
-    KV head (0: not counted): the scan writes an estimate per key and head, refine reads them all and writes
-    the candidates' exact scores and positions compacted, the candidate filter reads those back (the exact
-    step writes and reads a score per key and head: ``2 * 4 * group`` bytes a key row). Kept apart from
-    ``total``: much of it may stay in L2; ``total_with_scores`` counts it all."""
+    KV head (0: not counted): the scan writes an estimate per key and head, refine reads them all, writes the
+    candidates' positions and reads them back and overwrites their estimates with exact scores, and the filter
+    pass reads every score again (the exact step writes and reads a score per key and head: ``2 * 4 * group``
+    bytes a key row; neither counts the filter pass's compaction of its kept rows). Kept apart from ``total``:
+    much of it may stay in L2; ``total_with_scores`` counts it all."""
     rows = batch * kv_heads * keys
     scan = rows * (head_dim + 4) + (batch * kv_heads * head_dim * 8 if per_channel else 0)
     k_full = candidate_rows * head_dim * elem_bytes
     v = v_rows * head_dim * elem_bytes
     total = scan + k_full + v
-    scores = 2 * rows * 4 * group + 2 * candidate_rows * (4 * group + 4) if group else 0
+    scores = 3 * rows * 4 * group + candidate_rows * (4 * group + 2 * 4) if group else 0
     dense = 2 * rows * head_dim * elem_bytes
     return dict(scan=scan, candidate_k=k_full, kept_v=v, total=total, dense=dense, vs_dense=total / dense,
                 scores=scores, total_with_scores=total + scores)

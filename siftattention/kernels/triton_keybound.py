@@ -1,6 +1,5 @@
 """The key-bound sift step on Triton: a scan of the int8 keys, a refine pass over the candidates'
-full keys, then a filter pass over the candidates alone (``sparse_keybound``; the rule and its
-exactness: ``keybound``).
+full keys, then the filter pass (``sparse_keybound``; the rule and its exactness: ``keybound``).
 
 - ``_scan_kernel`` (split-K per (batch, KV head), the group's query heads as one tile, as the
   scores pass) reads the int8 keys and their scales, writes the estimates ``s_hat`` (log2 domain)
@@ -10,15 +9,11 @@ exactness: ``keybound``).
   added to its estimates and its rounding bound to ``e``.
 - ``_refine_kernel`` (same splits) merges those into ``T_lo`` and the largest lower bound, marks a
   key row a candidate where some head's upper bound ``s_hat + e`` passes either, compacts the
-  candidates' positions, gathers their full K rows and writes their exact scores, compacted like the
-  positions (over the split's estimates, read by then). It writes the per-split statistics of the
-  mixed scores (exact for candidates, estimates elsewhere) where the scores pass writes its own, and
-  ``T_lo`` per head.
-- ``_candidate_filter_kernel`` (same splits) reads only each split's compacted candidates: a
-  non-candidate's estimate is at most ``T_lo``, the floor of the threshold ``max(T_est, T_lo)``, so it is
-  never kept, and the row maximum is a candidate. It keeps as the filter pass does, gathers the V rows
-  some head of the group keeps and combines the splits in the row's last program (``_combine_last``).
-  So no pass after refine reads the S estimates again.
+  candidates' positions, gathers their full K rows and overwrites their scores with exact ones. It
+  writes the per-split statistics of the mixed scores (exact for candidates, estimates elsewhere)
+  where the scores pass writes its own, and ``T_lo`` per head.
+- ``filter_pass`` then runs unchanged on the mixed scores with ``T_lo`` as a floor on its
+  threshold: a non-candidate's estimate is at most ``T_lo`` and never kept.
 """
 
 from __future__ import annotations
@@ -31,7 +26,7 @@ from .arguments import PowerLawThreshold
 from .keybound import MARGIN, OFFSET_ROUNDING, SLACK2, Int8Keys
 from .triton_common import _INT_MAX, _dot, _group_query, _narrow, _row_ml, _row_range, _split_range, launch
 from .triton_config import LOG2E, KernelConfig, Workspace
-from .triton_filter import _accumulate, _combine_last, _eta_threshold, _thresholds
+from .triton_filter import _eta_threshold, filter_pass
 
 _OFFSET_ROUNDING = tl.constexpr(OFFSET_ROUNDING)
 
@@ -164,9 +159,8 @@ def _refine_kernel(
     POWER_LAW: tl.constexpr, USE_DOT: tl.constexpr, DOT_PREC: tl.constexpr, DOT_UPCAST: tl.constexpr,
     EVICT: tl.constexpr,
 ):
-    """Candidates of one split of one (batch, KV head): their positions in Idx and exact scores in Scores, both
-    compacted from the split's first position on (over the estimates), the mixed split statistics, the
-    candidate count and (split 0) T_lo per head."""
+    """Candidates of one split of one (batch, KV head): their exact scores over the estimates in Scores,
+    the mixed split statistics, the candidate count and (split 0) T_lo per head."""
     split, bh, b, hkv, q, qs, row, g_mask, d_mask, e_head, shift, e_off, lo, hi, offs_d, offs_n = _group_split(
         Q, Chan, Off, SeqLens, Starts, stride_qb, stride_qh, stride_qd, stride_zb, stride_zh, stride_zd, qk_scale,
         e_scale, S_MAX, NUM_SPLITS, HQ, HKV, G, BLOCK_G, D, BLOCK_D, BLOCK_N, HAS_SEQ_LENS, HAS_STARTS, HAS_CHANNEL)
@@ -227,8 +221,7 @@ def _refine_kernel(
         else:
             s = tl.sum(q[:, None, :].to(tl.float32) * k[None, :, :].to(tl.float32), axis=2)
         s = tl.where(jm[None, :], s * qk_scale, float("-inf"))  # as the scores pass: scale after the dot
-        # Compacted as the positions (the split's estimates, all read above, are not needed again).
-        tl.store(s_base + lo + jj[None, :], s, mask=g_mask[:, None] & jm[None, :],
+        tl.store(s_base + idx[None, :], s, mask=g_mask[:, None] & jm[None, :],
                  eviction_policy="evict_last" if EVICT else "")
         m_blk = tl.max(s, axis=1)
         a_blk = tl.min(tl.where(s == m_blk[:, None], idx[None, :], _INT_MAX), axis=1)  # positions ascend
@@ -241,68 +234,9 @@ def _refine_kernel(
     tl.store(Ccnt + bh * NUM_SPLITS + split, n_cand)
 
 
-@triton.jit
-def _candidate_filter_kernel(
-    V, Scores, Mst, Lst, Ast, Eta, Beta, LogSteps, Tlo, Idx, Ccnt, SeqLens, Starts, Part, Cnt, Mass, Sem, Arrive,
-    Out, Kept,
-    stride_vb, stride_vh, stride_vs, stride_vd, stride_ob, stride_oh, stride_od,
-    S_MAX, NUM_SPLITS,
-    HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_GA: tl.constexpr,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr,
-    CH: tl.constexpr, HAS_SEQ_LENS: tl.constexpr, HAS_STARTS: tl.constexpr, POWER_LAW: tl.constexpr,
-    RENORMALIZE: tl.constexpr, USE_DOT: tl.constexpr, DOT_PREC: tl.constexpr, DOT_UPCAST: tl.constexpr,
-    STAGES: tl.constexpr, EVICT: tl.constexpr,
-):
-    """The filter pass over one refine split's candidates only (the others are never kept): the threshold
-    ``max(T_est, T_lo)`` from the mixed statistics, the kept candidates' V rows (a row where some head of the
-    group keeps it) and the split's partial output; the row's last program combines the splits."""
-    split = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // HKV
-    hkv = bh % HKV
-    offs_g = tl.arange(0, BLOCK_G)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_c = tl.arange(0, BLOCK_C)
-    g_mask = offs_g < G
-    d_mask = offs_d < D
-    row = b.to(tl.int64) * HQ + hkv * G + offs_g
-    m, l, thr, amax = _thresholds(Mst, Lst, Ast, Eta, Beta, LogSteps, row, b, g_mask, NUM_SPLITS, BLOCK_S, False,
-                                  POWER_LAW)
-    thr = tl.maximum(thr, tl.load(Tlo + row, mask=g_mask, other=float("-inf")))
-    begin, end = _row_range(SeqLens, Starts, b, S_MAX, HAS_SEQ_LENS, HAS_STARTS)
-    lo, _ = _split_range(begin, end, split, NUM_SPLITS, BLOCK_N)  # where refine compacted this split's candidates
-    n_cand = tl.load(Ccnt + bh * NUM_SPLITS + split)
-    idx_ptr = Idx + bh.to(tl.int64) * S_MAX + lo
-    s_base = Scores + row[:, None] * S_MAX + lo
-    v_base = V + b.to(tl.int64) * stride_vb + hkv.to(tl.int64) * stride_vh
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    mass = tl.zeros([BLOCK_G], tl.float32)
-    cnt = tl.zeros([BLOCK_G], tl.int32)
-    for j in tl.range(0, n_cand, BLOCK_C, num_stages=STAGES):
-        jj = j + offs_c
-        jm = jj < n_cand
-        idx = tl.load(idx_ptr + jj, mask=jm, other=0)
-        s = tl.load(s_base + jj[None, :], mask=g_mask[:, None] & jm[None, :], other=float("-inf"))
-        row_kept = tl.max((((s > thr[:, None]) | (idx[None, :] == amax[:, None])) & g_mask[:, None]).to(tl.int32),
-                          axis=0) > 0
-        v_ptrs = v_base + idx[:, None].to(tl.int64) * stride_vs + offs_d[None, :] * stride_vd
-        acc, mass, c = _accumulate(acc, mass, s, idx, jm, thr, amax, m, g_mask, v_ptrs,
-                                   (row_kept & jm)[:, None] & d_mask[None, :], DOT_PREC, DOT_UPCAST, USE_DOT, EVICT)
-        cnt += c
-    inv_l = tl.where(l > 0.0, 1.0 / l, 0.0)  # a row without keys (l = 0) contributes zeros
-    pst = row * NUM_SPLITS + split
-    tl.store(Part + pst[:, None] * BLOCK_D + offs_d[None, :], acc * inv_l[:, None], mask=g_mask[:, None])
-    tl.store(Mass + pst, mass * inv_l, mask=g_mask)
-    tl.store(Cnt + pst, cnt, mask=g_mask)
-    _combine_last(Part, Mass, Cnt, Out, Kept, Mass, Sem, Arrive, bh, b, hkv, end - begin, offs_d, d_mask,
-                  stride_ob, stride_oh, stride_od, NUM_SPLITS, HQ, G, BLOCK_GA, D, BLOCK_D, CH, True, RENORMALIZE,
-                  False, True)
-
-
 class KeyboundWorkspace:
     """The buffers the key-bound step adds to a plan's ``Workspace``: the scan's lower-bound split
-    statistics, ``T_lo`` per (batch, query head), the candidate rows per (batch, KV head, split) and the
-    candidate filter's partial outputs, masses and kept counts per (batch, query head, split)."""
+    statistics, ``T_lo`` per (batch, query head) and the candidate rows per (batch, KV head, split)."""
 
     def __init__(self, geo: dict, device: torch.device):
         B, Hq, Hkv, ns = geo["B"], geo["Hq"], geo["Hkv"], geo["ns1"]
@@ -310,18 +244,13 @@ class KeyboundWorkspace:
         self.llo = torch.empty(B, Hq, ns, device=device, dtype=torch.float32)
         self.tlo = torch.empty(B, Hq, device=device, dtype=torch.float32)
         self.ccnt = torch.zeros(B, Hkv, ns, device=device, dtype=torch.int32)
-        self.part = torch.empty(B, Hq, ns, geo["BLOCK_D"], device=device, dtype=torch.float32)
-        self.mass = torch.empty(B, Hq, ns, device=device, dtype=torch.float32)
-        self.cnt = torch.empty(B, Hq, ns, device=device, dtype=torch.int32)
-        # Splits per load in the combine: a [CH, G, D] float32 tile of about 4096 elements (as the filter's).
-        self.ch = max(1, min(geo["BLOCK_S1"], 4096 // (geo["BLOCK_GA"] * geo["BLOCK_D"])))
 
     def candidates(self) -> torch.Tensor:
         """[B, Hkv] int32 key rows the last step read in full."""
         return self.ccnt.sum(-1, dtype=torch.int32)
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in vars(self).values() if isinstance(t, torch.Tensor))
+        return sum(t.numel() * t.element_size() for t in vars(self).values())
 
 
 def sparse_keybound(geo: dict, ws: Workspace, kws: KeyboundWorkspace, q, k_cache, v_cache, keys: Int8Keys, eta,
@@ -356,20 +285,9 @@ def sparse_keybound(geo: dict, ws: Workspace, kws: KeyboundWorkspace, q, k_cache
         ks.stride(0), ks.stride(1), ks.stride(2), *kc_strides,
         qk_scale, e_scale, SLACK2, S, geo["ns1"],
         BLOCK_GA=geo["BLOCK_GA"], BLOCK_A=geo["BLOCK_A"], BLOCK_S=geo["BLOCK_S1"], POWER_LAW=power_law, **common)
-    out = torch.empty(B, Hq, D, device=q.device, dtype=q.dtype)
-    kept = torch.empty(B, Hq, device=q.device, dtype=torch.int32)
     try:
-        launch(_candidate_filter_kernel, grid,
-            v_cache, ws.scores, ws.mst, ws.lst, ws.ast, eta_arg, beta_arg, log_steps_arg, kws.tlo, ws.idx, kws.ccnt,
-            sl_arg, st_arg, kws.part, kws.cnt, kws.mass, ws.sem, ws.arrive, out, kept,
-            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
-            out.stride(0), out.stride(1), out.stride(2), S, geo["ns1"],
-            HQ=Hq, HKV=Hkv, G=geo["G"], BLOCK_G=geo["BLOCK_G"], BLOCK_GA=geo["BLOCK_GA"], D=D, BLOCK_D=geo["BLOCK_D"],
-            BLOCK_N=geo["BLOCK_N1"], BLOCK_C=geo["BLOCK_N2"], BLOCK_S=geo["BLOCK_S1"], CH=kws.ch,
-            HAS_SEQ_LENS=has_sl, HAS_STARTS=has_st, POWER_LAW=power_law, RENORMALIZE=renormalize,
-            USE_DOT=geo["use_dot"], DOT_PREC=geo["prec"], DOT_UPCAST=geo["upcast"], STAGES=geo["STAGES_B"],
-            EVICT=cfg.evict, num_warps=cfg.warps2, num_stages=cfg.stages2, **geo["regs2"])
+        return filter_pass(geo, ws, v_cache, eta, seq_lens, starts, cfg, q.dtype, renormalize, True, False,
+                           floor=kws.tlo)
     except BaseException:
         ws.sync[:2].zero_()
         raise
-    return out, kept
