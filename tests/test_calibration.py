@@ -66,7 +66,7 @@ def test_prompt_rows_are_spaced_geometrically_over_the_whole_prompt():
     assert (first.double().log() - (f * (4096.0 / f) ** spacing).log()).abs().max() < 0.04  # rounded to whole steps
     short = targets[1][targets[1] > 0]
     assert int(short[0]) == f and int(short[-1]) == least and len(short.unique()) == len(short) < n  # repeats dropped
-    assert least >= 4 * f  # the fit spans at least log 4 of log S
+    assert len(short) >= 5  # the shortest prompt that calibrates still gives a fit 5 points
     assert calibration.usable(torch.tensor([least, 100])).all() and not calibration.usable(torch.tensor([least - 1, 100])).any()
 
 
@@ -272,6 +272,24 @@ def test_calibration_from_the_structural_ranges_is_bit_identical_to_summing_the_
     monkeypatch.setattr("siftattention.hf.SiftHandle._prompt_ranges", lambda *args: None)
     for ours, summed in zip(structural, calibrate(), strict=True):
         assert torch.equal(ours.nan_to_num(7.0), summed.nan_to_num(7.0))
+
+
+def test_a_short_prompt_calibrates_its_batch_on_the_rows_it_has():
+    """A prompt of min_prompt tokens (far below 4 * first) costs its batch nothing: every row fits on its own
+    prompt rows, decoding is sparse from the first token and recalibrates."""
+    model = _model()
+    least = PromptCalibration.min_prompt
+    ids, mask = _padded_prompts([100, least])
+    method = Sift(tau=0.7, warmup=4, recalibrate_every=2)
+    res = generate(model, ids, mask, method, max_new_tokens=8, pad_token_id=0, eos_token_id=-1)
+    assert "warmup" not in res.timings["phases"] and "recalibrate" in res.timings["phases"]
+    states = res.stats._handle.states
+    assert all(bool(s.calibrated.all() and s.fitted.all()) for s in states.values())
+    short = states[0].prompt_targets[1]
+    assert short[short > 0].tolist() == list(range(PromptCalibration.first, least + 1))
+    alone = generate(model, ids[1:, -least:], None, method, max_new_tokens=1, pad_token_id=0, eos_token_id=-1)
+    for layer, state in alone.stats._handle.states.items():
+        torch.testing.assert_close(state.prompt_thetas[0], states[layer].prompt_thetas[1], rtol=1e-4, atol=1e-6)
 
 
 def test_a_too_short_prompt_falls_back_to_the_decode_warmup():

@@ -109,15 +109,18 @@ class PromptCalibration:
     """Which prompt rows calibrate the power law: ``rows`` steps spaced geometrically from ``first``
     to the prompt's last row, so the fit spans ``log(P / first)`` of ``log S``.
 
-    A batch with a prompt shorter than ``min_prompt`` real tokens (the fit would span less than
-    ``log 4``) is not calibrated on its prompt: it runs the decode warmup instead.
+    A prompt of ``min_prompt`` real tokens or more calibrates on whatever rows it has, however short
+    the span: recalibration (``Sift.recalibrate_every``) adds points at the decode's own steps, which
+    corrects a short prompt's extrapolation. A batch with a prompt shorter than ``min_prompt`` is not
+    calibrated on its prompts: the whole batch runs the decode warmup instead.
     """
 
     rows: int = 64
-    # From step 8, so that chat prompts of 32 tokens and more (every IFEval prompt under a chat
-    # template) calibrate: a batch falls back as a whole, so one short prompt would cost them all.
     first: int = 8
-    min_prompt: int = 32
+    # At least 5 distinct rows (steps 8..12), and low enough that every IFEval prompt qualifies without a
+    # chat template (Gemma-3's tokenizer: the shortest has 13 tokens): a batch falls back as a whole, so
+    # one short prompt would cost them all their calibration.
+    min_prompt: int = 12
 
     def targets(self, prompt_steps: torch.Tensor) -> torch.Tensor:
         """[B, rows] int64 steps to sample for prompts of ``prompt_steps`` [B] tokens; a step already
@@ -130,8 +133,8 @@ class PromptCalibration:
         return steps.masked_fill(repeated, -1)
 
     def usable(self, prompt_steps: torch.Tensor) -> torch.Tensor:
-        """[B] bool: every prompt of the batch is long enough (decode steps run in lockstep, so a batch
-        is calibrated on its prompts, or warms up, as a whole)."""
+        """[B] bool: every prompt of the batch has at least ``min_prompt`` tokens (decode steps run in
+        lockstep, so a batch is calibrated on its prompts, or warms up, as a whole)."""
         return (prompt_steps >= self.min_prompt).all().expand_as(prompt_steps)
 
 
