@@ -200,7 +200,7 @@ def test_generate_with_left_padding_matches_each_prompt_alone():
     model = tiny_llama(seed=5)
     torch.manual_seed(5)
     short, long = torch.randint(3, 95, (1, 7)), torch.randint(3, 95, (1, 13))
-    method = Sift(tau=0.6, warmup=4)
+    method = Sift(tau=0.6, warmup=4, warmup_source="decode")
     gen = dict(max_new_tokens=14, do_sample=False, pad_token_id=0, eos_token_id=None)
     alone, alone_fit = [], []
     with apply(model, method) as handle:
@@ -229,7 +229,7 @@ def test_generate_with_left_padding_matches_each_prompt_alone():
 def test_generate_prefills_exactly_and_counts_warmup_from_decoded_tokens():
     model = tiny_llama(seed=6)
     ids = torch.randint(3, 95, (1, 30))
-    with apply(model, Sift(tau=0.75, warmup=5)) as handle:
+    with apply(model, Sift(tau=0.75, warmup=5, warmup_source="decode")) as handle:
         model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=None)
         state = handle.stats.state(0)
         # Warmup steps are the first 5 decoded tokens: S = P+1 .. P+5 with P = 30.
