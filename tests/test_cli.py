@@ -146,13 +146,13 @@ def test_generate_says_n_a_when_no_step_came_after_the_warmup(embedded, capsys):
     from siftattention.cli import _print_generations, generate_text
 
     model, tokenizer = embedded
-    res = generate_text(model, tokenizer, "Hello", "sift:warmup=1000", 4)
+    res = generate_text(model, tokenizer, "Hello", "sift:warmup=1000,warmup_source=decode", 4)
     assert res.sparsity_post_warmup is None and res.sparsity == 0.0 and res.text
     post = generate_text(model, tokenizer, "Hello", "sift:tau=0.875,warmup=2", 6).sparsity_post_warmup
     assert post is not None and 0.0 < post < 1.0
     full = generate_text(model, tokenizer, "Hello", "full", 2)
     assert (full.sparsity, full.sparsity_post_warmup) == (0.0, 0.0)  # no warmup: every step counts
-    _print_generations(model, tokenizer, "Hello", ("sift:warmup=1000", "full"), 4)
+    _print_generations(model, tokenizer, "Hello", ("sift:warmup=1000,warmup_source=decode", "full"), 4)
     printed = " ".join(capsys.readouterr().out.split())
     assert "realized sparsity 0.000 (post-warmup n/a)" in printed
     assert "realized sparsity 0.000 (post-warmup 0.000)" in printed
