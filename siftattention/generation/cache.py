@@ -22,16 +22,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from ..kernels.keybound import KEY_FORMS, Int8Keys, new_int8_keys, write_int8_keys
-
-
-def key_copy_form(int8_keys: bool | str) -> str | None:
-    """The int8 key copy's form for ``int8_keys``: None (no copy), "row" (True too) or "channel"."""
-    if int8_keys is True or int8_keys in KEY_FORMS:
-        return "row" if int8_keys is True else int8_keys
-    if int8_keys is False or int8_keys is None:
-        return None
-    raise ValueError(f"int8_keys must be False, True, 'row' or 'channel', got {int8_keys!r}")
+from ..kernels.keybound import Int8Keys, key_copy_form, new_int8_keys, write_int8_keys
 
 
 class WritePosition:
@@ -58,7 +49,7 @@ class FixedLayer(CacheLayerMixin):
         self.max_len = max_len
         self.is_sliding = sliding
         self.length = 0  # keys written by the prompt (host-side; decode writes are counted on the device)
-        self.int8_keys = key_copy_form(int8_keys)
+        self.int8_keys = None if int8_keys is None else key_copy_form(int8_keys, "int8_keys")
         self.key_copy: Int8Keys | None = None  # allocated with the buffers where int8_keys
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any) -> None:

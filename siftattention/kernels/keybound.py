@@ -68,6 +68,17 @@ _LN2 = 0.6931471805599453
 KEY_FORMS = ("row", "channel")
 
 
+def key_copy_form(value: object, name: str) -> str | None:
+    """The int8 copy's form that ``value`` asks for: "row" (True too), "channel", or None (False; numpy's
+    and a 0-d tensor's bools too); ValueError naming ``name`` otherwise."""
+    if isinstance(value, str) and value in KEY_FORMS:
+        return value
+    item = value.item() if tuple(getattr(value, "shape", (0,))) == () and callable(getattr(value, "item", None)) else value
+    if isinstance(item, bool):
+        return "row" if item else None
+    raise ValueError(f"{name} must be False, True, 'row' or 'channel', got {value!r}")
+
+
 class Int8Keys(NamedTuple):
     """The int8 copy of a key cache: ``values`` [B, Hkv, S, D] int8, ``scales`` [B, Hkv, S] float32 (one per
     key row) and, for the per-channel form, ``channel`` and ``offset`` [B, Hkv, D] float32 (per KV head)."""

@@ -39,7 +39,7 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
-from ..kernels.keybound import KEY_FORMS
+from ..kernels.keybound import KEY_FORMS, key_copy_form
 from ..kernels.plan import DecodeKernels, PowerLawThreshold, resolve_backend
 from ..kernels.torch_ref import anchor_mask
 from ..powerlaw import PowerLawFit, PowerLawSums, fit_power_law, masked_quantile, predict_log
@@ -89,19 +89,6 @@ class SiftState(ThresholdState):
     def alpha(self) -> torch.Tensor:
         """[B, H] exp(log_alpha) of fitted rows (inf or 0 where it leaves float32's range), 1 elsewhere."""
         return torch.where(self.fitted[:, None], self.log_alpha.exp(), torch.ones_like(self.log_alpha))
-
-
-def _keybound_form(value: object) -> Literal[False, "row", "channel"]:
-    """``Sift.keybound`` as False or a form of the int8 key copy (True is "row")."""
-    if isinstance(value, str) and value in KEY_FORMS:
-        return value  # type: ignore[return-value]
-    try:
-        on = check_bool("keybound", value)
-    except ValueError:
-        on = None
-    if on is None:
-        raise ValueError(f"keybound must be False, True, 'row' or 'channel', got {value!r}")
-    return "row" if on else False
 
 
 @dataclass(frozen=True)
@@ -222,7 +209,7 @@ class Sift(ThresholdMethod):
         if self.anchor_first + self.anchor_last == 0:
             raise ValueError("anchor_first + anchor_last must be at least 1")
         self.vmc = check_vmc(self.vmc, self.renormalize)
-        self.keybound = _keybound_form(self.keybound)
+        self.keybound = key_copy_form(self.keybound, "keybound") or False
         if self.keybound and self.anchored:
             raise ValueError("keybound needs normalizer='exact' (the key-bound step computes the exact normaliser's bounds)")
         if self.keybound and self.vmc:
