@@ -49,6 +49,8 @@ try:
 except ImportError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
+from .sweep import interpolate_at
+
 #: The parameter each method family is swept along (its x in the figures and tables).
 SWEPT = {"sift": "tau", "oracle": "tau", "topk": "k", "h2o": "k", "toptheta": "k", "skipsoftmax": "scale"}
 TAU_GRID = (0.5, 0.75, 0.875, 0.95)
@@ -406,12 +408,7 @@ def at_sparsity(full: dict[str, Any] | None, group: Sequence[dict[str, Any]], s:
     nearest = min((abs(x - s) for x, _ in pts), default=math.nan)
     if full is not None:
         pts = sorted([(0.0, full["quality"])] + pts)
-    if math.isnan(s) or not pts or not pts[0][0] <= s <= pts[-1][0]:
-        return math.nan, nearest
-    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
-        if x0 <= s <= x1:
-            return (y0 if x1 == x0 else y0 + (y1 - y0) * (s - x0) / (x1 - x0)), nearest
-    return pts[-1][1], nearest
+    return interpolate_at(pts, s), nearest
 
 
 def _matches(candidate: dict[str, Any], cell: dict[str, Any]) -> bool:

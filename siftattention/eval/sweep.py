@@ -247,16 +247,21 @@ def _metric(cell: dict[str, Any], key: str) -> float:
     return cell["all"]["metrics"].get(key, math.nan)
 
 
+def interpolate_at(points: Sequence[tuple[float, float]], x: float) -> float:
+    """Linear interpolation of sorted ``(x, y)`` points at ``x``; NaN outside their range."""
+    if math.isnan(x) or not points or not points[0][0] <= x <= points[-1][0]:
+        return math.nan
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if x0 <= x <= x1:
+            return y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return points[-1][1]
+
+
 def topk_at(cells: Sequence[dict[str, Any]], key: str, sparsity: float) -> float:
     """Top-k's ``key`` (a metric, or "rouge_l") interpolated at a realized sparsity (Full is its point at 0); NaN outside its range."""
-    import numpy as np
-
     points = sorted((c["all"]["realized_sparsity"], _metric(c, key))
                     for c in cells if c["method_name"] in ("full", "topk") and c["renormalize"] == (c["method_name"] == "topk"))
-    if len(points) < 2 or math.isnan(sparsity) or not points[0][0] <= sparsity <= points[-1][0]:
-        return math.nan
-    xs, ys = zip(*points)
-    return float(np.interp(sparsity, xs, ys))
+    return interpolate_at(points, sparsity) if len(points) >= 2 else math.nan
 
 
 def sweep_markdown(results: dict[str, Any]) -> str:
