@@ -177,6 +177,7 @@ CALIBRATIONS = {
     "prompt": ("", {}),
     "prompt-norecal": ("_norecal", {"recalibrate_every": 0}),
     "decode": ("_decode", {"warmup_source": "decode"}),
+    "prompt-vmc": ("_vmc", {"vmc": True}),
 }
 
 
@@ -456,7 +457,7 @@ def main() -> None:
     ap.add_argument("--calibration", nargs="+", default=["prompt"], choices=list(CALIBRATIONS),
                     help="Sift's fit(s), a row each: prompt (the default: calibrated on the prompt, recalibrated every 64 "
                          "sparse steps; row 'sift'), prompt-norecal ('sift_norecal'), decode (the paper's decode warmup; "
-                         "'sift_decode')")
+                         "'sift_decode'), prompt-vmc (the defaults with V-mean compensation: 'sift_vmc')")
     ap.add_argument("--normalizer", nargs="+", default=["exact"], choices=["exact", "anchored"],
                     help="Sift's normaliser(s): a sift row per choice (anchored: row 'sift_anchored')")
     ap.add_argument("--keybound", nargs="*", choices=["row", "channel"], default=None,
