@@ -198,7 +198,34 @@ def _triton_worker() -> dict:
         refused = str(err)
     anchored = dict(err=rel(out, ref), kept_equal=bool(torch.equal(kept, ref_kept)), onepass=kern.anchored_onepass,
                     refused=refused)
-    return {"sparse": rows, "anchored": anchored}
+    return {"sparse": rows, "anchored": anchored, "value_sum": _value_sum_steps()}
+
+
+def _value_sum_steps() -> list[dict]:
+    """The value-sum update's Triton launch against its torch form (bit for bit) and a float64 sum of the valid
+    rows afresh, step after step: left padding, a sliding window that passes the padding, odd head_dim and
+    strides (a cache with room beyond the rows used), bf16 and float32 caches."""
+    from siftattention.kernels.value_sum import add_step_value_rows
+
+    rows = []
+    for B, Hkv, L, D, P, window, dt in [(3, 2, 37, 40, None, None, torch.float32), (3, 1, 29, 64, 7, 5, torch.bfloat16),
+                                         (2, 3, 33, 128, 6, 11, torch.float32)]:
+        g = torch.Generator().manual_seed(B * 100 + D)
+        v = torch.randn(B, Hkv, L + 3, D, generator=g).to(dt)[:, :, :L]  # a strided view: the cache's spare room
+        pads = torch.tensor([0, 2, 5][:B], dtype=torch.int32)
+        starts_at = lambda n: pads if window is None else torch.maximum(pads, torch.tensor(n - window, dtype=torch.int32))
+        P = P or 9
+        sums = {name: value_sums(v, torch.full((B,), P), starts_at(P)).float() for name in ("torch", "triton")}
+        begin = {name: starts_at(P).clone() for name in sums}
+        worst, same = 0.0, True
+        for n in range(P + 1, L + 1):
+            for name in sums:
+                add_step_value_rows(sums[name], begin[name], v, torch.full((B,), n, dtype=torch.int32),
+                                    starts_at(n) if window else None, backend=name)
+            same &= torch.equal(sums["torch"], sums["triton"]) and torch.equal(begin["torch"], begin["triton"])
+            worst = max(worst, rel(sums["triton"], value_sums(v.double(), torch.full((B,), n), starts_at(n))))
+        rows.append(dict(shape=[B, Hkv, L, D], window=window, dtype=str(dt), same=same, err=worst))
+    return rows
 
 
 @pytest.fixture(scope="module")
@@ -239,6 +266,13 @@ def test_vmc_is_an_option_of_sift_oracle_and_topk_named_only_when_set():
 
 
 # ----------------------------------------------------------------------------- the running value sum
+
+
+def test_triton_value_sum_update_equals_the_torch_form_and_a_float64_sum(triton_results):
+    rows = triton_results["value_sum"]
+    assert len(rows) == 3 and any(r["window"] for r in rows)
+    for r in rows:
+        assert r["same"] and r["err"] < 1e-5, r
 
 
 def _prompt_mask(B, P, pads, window=None):

@@ -34,6 +34,7 @@ from typing import Any, ClassVar, Literal
 import torch
 
 from ..kernels.arguments import PowerLawThreshold
+from ..kernels.value_sum import add_step_value_rows
 from .base import (DecodeOutput, KeyRange, Method, PromptChunk, Rows, Selection, compensate_value_mean, keep_row_max,
                    select_sequences, sum_value_rows)
 
@@ -118,12 +119,9 @@ class ThresholdMethod(Method):
             # costs at most the window): the valid rows summed afresh.
             self._fresh_values(state, v_cache, keys)
             return state.value_sum
-        state.value_sum += _rows_at(v_cache, keys.seq_lens.long() - 1)
-        if keys.window is not None and keys.starts is not None:
-            # Decode steps advance every row by one key, so at most the row at the old start leaves.
-            left = (keys.starts > state.value_start)[:, None, None]
-            state.value_sum -= torch.where(left, _rows_at(v_cache, state.value_start.long()), 0.0)
-            state.value_start.copy_(keys.starts)
+        sliding = keys.window is not None and keys.starts is not None
+        add_step_value_rows(state.value_sum, state.value_start, v_cache, keys.seq_lens,
+                            keys.starts if sliding else None)
         return state.value_sum
 
     @staticmethod
@@ -189,13 +187,6 @@ class ThresholdMethod(Method):
         if self.vmc:  # every value row is read here anyway: the mean comes through the weights
             weights = compensate_value_mean(weights, valid, keys.steps().float()[:, None, None])
         return _apply_v(weights, v_cache).to(query.dtype), keep.sum(-1, dtype=torch.int32)
-
-
-def _rows_at(v_cache: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """float32 [B, Hkv, D]: each sequence's value rows at cache position ``positions`` [B] (clamped to the cache)."""
-    B, H, L, D = v_cache.shape
-    index = positions.clamp(0, L - 1)[:, None, None, None].expand(B, H, 1, D)
-    return v_cache.gather(2, index)[:, :, 0].float()
 
 
 __all__ = ["RowThresholds", "StepThreshold", "ThresholdMethod", "ThresholdState"]
