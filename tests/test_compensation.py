@@ -32,7 +32,7 @@ CASES = [
 
 
 def _valid(seq_lens, starts, S):
-    pos = torch.arange(S)
+    pos = torch.arange(S, device=seq_lens.device)
     return (pos >= starts[:, None].long()) & (pos < seq_lens[:, None].long())
 
 
@@ -161,22 +161,32 @@ TRITON_CASES = [
 ]
 
 
-def _triton_worker() -> dict:
-    """Runs under TRITON_INTERPRET=1: each case's compensated sparse step (eta, and as a power law), and the
-    anchored two-pass step, against float64."""
+def _sparse_rows(device: str) -> list[dict]:
+    """Each case's compensated sparse step through the Triton kernels (eta, and as a power law) against float64."""
     from siftattention.kernels.plan import PowerLawThreshold
     from siftattention.kernels.triton_decode import KernelConfig
 
     rows = []
     for i, (B, Hq, Hkv, S, D, dt, over) in enumerate(TRITON_CASES):
         q, k, v, sl, st, eta, vs, ref, ref_kept = compensated_case((B, Hq, Hkv, S, D, dt), f"triton{i}")
+        q, k, v, sl, st, eta, vs = (t.to(device) for t in (q, k, v, sl, st, eta, vs))
         kern = DecodeKernels.plan(batch=B, q_heads=Hq, kv_heads=Hkv, max_len=S, head_dim=D, dtype=getattr(torch, dt),
-                                  device="cpu", scale=D**-0.5, backend="triton", config=KernelConfig(**{**SMALL, **over}))
+                                  device=device, scale=D**-0.5, backend="triton", config=KernelConfig(**{**SMALL, **over}))
         out, kept = kern.sparse(q, k, v, eta, sl, st, vs)
-        law = PowerLawThreshold(eta.clamp(min=0).log(), torch.zeros(B, Hq), torch.zeros(B))
+        law = PowerLawThreshold(eta.clamp(min=0).log(), torch.zeros(B, Hq, device=device), torch.zeros(B, device=device))
         out_law, _ = kern.sparse(q, k, v, law, sl, st, vs)
-        rows.append(dict(case=i, dtype=dt, err=rel(out, ref), kept_equal=bool(torch.equal(kept, ref_kept)),
-                         law_err=rel(out_law, ref), sync_zero=bool((kern.workspace.sync == 0).all())))
+        rows.append(dict(case=i, dtype=dt, err=rel(out.cpu(), ref), kept_equal=bool(torch.equal(kept.cpu(), ref_kept)),
+                         law_err=rel(out_law.cpu(), ref), sync_zero=bool((kern.workspace.sync == 0).all())))
+    return rows
+
+
+def _triton_worker() -> dict:
+    """Runs under TRITON_INTERPRET=1: each case's compensated sparse step, the anchored two-pass step and the
+    value-sum update, against float64."""
+    from siftattention.kernels.plan import PowerLawThreshold
+    from siftattention.kernels.triton_decode import KernelConfig
+
+    rows = _sparse_rows("cpu")
     # The anchored step, on a plan that would take the one-pass kernel: with a value sum the two passes run
     # (the one-pass kernel has no compensation), and asking for one pass with it is refused.
     from siftattention.kernels.torch_ref import sift_anchored_decode_torch
@@ -201,7 +211,7 @@ def _triton_worker() -> dict:
     return {"sparse": rows, "anchored": anchored, "value_sum": _value_sum_steps()}
 
 
-def _value_sum_steps() -> list[dict]:
+def _value_sum_steps(device: str = "cpu") -> list[dict]:
     """The value-sum update's Triton launch against its torch form (bit for bit) and a float64 sum of the valid
     rows afresh, step after step: left padding, a sliding window that passes the padding, odd head_dim and
     strides (a cache with room beyond the rows used), bf16 and float32 caches."""
@@ -213,17 +223,20 @@ def _value_sum_steps() -> list[dict]:
         g = torch.Generator().manual_seed(B * 100 + D)
         v = torch.randn(B, Hkv, L + 3, D, generator=g).to(dt)[:, :, :L]  # a strided view: the cache's spare room
         pads = torch.tensor([0, 2, 5][:B], dtype=torch.int32)
-        starts_at = lambda n: pads if window is None else torch.maximum(pads, torch.tensor(n - window, dtype=torch.int32))
+        v, pads = v.to(device), pads.to(device)
+        starts_at = lambda n: pads if window is None else torch.maximum(pads, torch.tensor(n - window, dtype=torch.int32,
+                                                                                           device=device))
         P = P or 9
-        sums = {name: value_sums(v, torch.full((B,), P), starts_at(P)).float() for name in ("torch", "triton")}
+        sums = {name: value_sums(v, torch.full((B,), P, device=device), starts_at(P)) for name in ("torch", "triton")}
         begin = {name: starts_at(P).clone() for name in sums}
         worst, same = 0.0, True
         for n in range(P + 1, L + 1):
             for name in sums:
-                add_step_value_rows(sums[name], begin[name], v, torch.full((B,), n, dtype=torch.int32),
+                add_step_value_rows(sums[name], begin[name], v, torch.full((B,), n, dtype=torch.int32, device=device),
                                     starts_at(n) if window else None, backend=name)
             same &= torch.equal(sums["torch"], sums["triton"]) and torch.equal(begin["torch"], begin["triton"])
-            worst = max(worst, rel(sums["triton"], value_sums(v.double(), torch.full((B,), n), starts_at(n))))
+            fresh = value_sums(v.double(), torch.full((B,), n, device=device), starts_at(n))
+            worst = max(worst, rel(sums["triton"].cpu(), fresh.cpu().double()))
         rows.append(dict(shape=[B, Hkv, L, D], window=window, dtype=str(dt), same=same, err=worst))
     return rows
 
@@ -268,11 +281,26 @@ def test_vmc_is_an_option_of_sift_oracle_and_topk_named_only_when_set():
 # ----------------------------------------------------------------------------- the running value sum
 
 
-def test_triton_value_sum_update_equals_the_torch_form_and_a_float64_sum(triton_results):
-    rows = triton_results["value_sum"]
+def check_value_sum_rows(rows: list[dict]) -> None:
     assert len(rows) == 3 and any(r["window"] for r in rows)
     for r in rows:
         assert r["same"] and r["err"] < 1e-5, r
+
+
+def test_triton_value_sum_update_equals_the_torch_form_and_a_float64_sum(triton_results):
+    check_value_sum_rows(triton_results["value_sum"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_compensation_and_value_sum_match_float64():
+    """On the GPU: the compensated sparse step (both combine forms) and the value-sum launch, as under the
+    interpreter."""
+    pytest.importorskip("triton")
+    rows = _sparse_rows("cuda")
+    for r in rows:
+        tol = 1e-5 if r["dtype"] == "float32" else 1e-2
+        assert r["kept_equal"] and r["err"] < tol and r["law_err"] < tol and r["sync_zero"], r
+    check_value_sum_rows(_value_sum_steps("cuda"))
 
 
 def _prompt_mask(B, P, pads, window=None):
