@@ -28,7 +28,6 @@ Preconditions of the run methods (not checked, so that they stay cheap):
 - ``shared`` (``Sift(gqa="shared")``): eta is equal over each KV group's query heads, and a key is kept
   for every head of the group when some head's probability exceeds it (plus each head's own maximum);
   ``warmup`` and ``sparse_quantile`` then measure the tau-quantile of the group's maximum probability.
-  The fused CPU kernel has no such mode: there these steps run the torch backend.
 """
 
 from __future__ import annotations
@@ -177,9 +176,9 @@ class DecodeKernels:
                                 self.renormalize, self.config, value_sum=value_sum, shared=shared)
         if isinstance(eta, PowerLawThreshold):
             eta = eta.eta()
-        if self.backend == "cpu" and not shared:
+        if self.backend == "cpu":
             return self._cpu.sift_decode_cpu(q, k_cache, v_cache, eta, self.scale, seq_lens, self.renormalize, starts,
-                                             value_sum)
+                                             value_sum, shared)
         return sift_decode_torch(q, k_cache, v_cache, eta, self.scale, seq_lens, self.renormalize, starts, value_sum,
                                  shared)
 
@@ -341,8 +340,8 @@ class DecodeKernels:
             out, theta = self._launch(self._td.warmup, q, k_cache, v_cache, tau_t, self.scale, seq_lens, starts,
                                       self.config)
             return (out, self._stored_group_quantile(tau_t, seq_lens, starts)) if shared else (out, theta)
-        if self.backend == "cpu" and not shared:
-            return self._cpu.warmup_decode_cpu(q, k_cache, v_cache, tau_t, self.scale, seq_lens, starts)
+        if self.backend == "cpu":
+            return self._cpu.warmup_decode_cpu(q, k_cache, v_cache, tau_t, self.scale, seq_lens, starts, shared)
         return sift_warmup_decode_torch(q, k_cache, v_cache, tau_t, self.scale, seq_lens, starts, shared)
 
     @property
