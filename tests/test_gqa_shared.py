@@ -207,7 +207,7 @@ def test_teacher_forced_rows_keep_one_set_per_group():
 # ----------------------------------------------------------------------------- the method, end to end
 
 
-def _generate_both(model, method, new=10):
+def _generate_both(model, method, new=10, backend="auto"):
     from test_generation import _left_padded_batch, _reference
 
     from siftattention.generation import generate
@@ -216,7 +216,8 @@ def _generate_both(model, method, new=10):
     ids = torch.cat([ids, torch.randint(3, 96, (3, 9), generator=torch.Generator().manual_seed(9))], 1)
     mask = torch.cat([mask, torch.ones(3, 9, dtype=mask.dtype)], 1)  # every prompt >= 12 tokens: calibrated
     ref_seq, ref_logp, stats = _reference(model, ids, mask, method, new=new)
-    res = generate(model, ids, mask, method, max_new_tokens=new, pad_token_id=0, eos_token_id=-1, output_scores=True)
+    res = generate(model, ids, mask, method, max_new_tokens=new, pad_token_id=0, eos_token_id=-1, output_scores=True,
+                   decode_backend=backend)
     return res, ref_seq, ref_logp, stats
 
 
@@ -225,11 +226,12 @@ def _generate_both(model, method, new=10):
     Sift(tau=0.6, warmup=4, gqa="shared", vmc=True, recalibrate_every=4),
     Sift(tau=0.6, warmup=4, gqa="shared", warmup_source="decode"),
 ], ids=["prompt-recal", "vmc", "decode-warmup"])
-def test_fast_loop_tokens_equal_the_reference_path(method):
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_fast_loop_tokens_equal_the_reference_path(method, backend):
     from test_generation import _model
 
     model = _model(lambda: tiny_llama(heads=8, kv_heads=2))
-    res, ref_seq, ref_logp, stats = _generate_both(model, method)
+    res, ref_seq, ref_logp, stats = _generate_both(model, method, backend=backend)
     assert res.fast and torch.equal(res.sequences, ref_seq)
     assert (res.scores.log_softmax(-1) - ref_logp).abs().max().item() <= 1e-4
     # A group's heads keep one set, each besides it at most its own maximum: one key in S (S >= 13 here).
