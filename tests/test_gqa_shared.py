@@ -207,14 +207,21 @@ def test_teacher_forced_rows_keep_one_set_per_group():
 # ----------------------------------------------------------------------------- the method, end to end
 
 
-def _generate_both(model, method, new=10, backend="auto"):
-    from test_generation import _left_padded_batch, _reference
-
-    from siftattention.generation import generate
+def _prompts():
+    """Three left-padded prompts of 13 to 22 real tokens (each at least 12: calibrated on)."""
+    from test_generation import _left_padded_batch
 
     ids, mask = _left_padded_batch(seed=2)
     ids = torch.cat([ids, torch.randint(3, 96, (3, 9), generator=torch.Generator().manual_seed(9))], 1)
-    mask = torch.cat([mask, torch.ones(3, 9, dtype=mask.dtype)], 1)  # every prompt >= 12 tokens: calibrated
+    return ids, torch.cat([mask, torch.ones(3, 9, dtype=mask.dtype)], 1)
+
+
+def _generate_both(model, method, new=10, backend="auto"):
+    from test_generation import _reference
+
+    from siftattention.generation import generate
+
+    ids, mask = _prompts()
     ref_seq, ref_logp, stats = _reference(model, ids, mask, method, new=new)
     res = generate(model, ids, mask, method, max_new_tokens=new, pad_token_id=0, eos_token_id=-1, output_scores=True,
                    decode_backend=backend)
@@ -239,6 +246,23 @@ def test_fast_loop_tokens_equal_the_reference_path(method, backend):
     assert bool(selected.any())
     per_group = sparsity.unflatten(2, (2, 4))  # [L, B, Hkv, G, rows]
     assert (per_group.amax(3) - per_group.amin(3)).max() <= 1 / 13 + 1e-6
+
+
+def test_transformers_generate_with_the_kernels_equals_the_reference_path():
+    """``apply`` + ``model.generate``: decode steps through the kernels (transformers' growing cache)."""
+    from test_generation import _model
+
+    from siftattention import apply
+
+    model = _model(lambda: tiny_llama(heads=8, kv_heads=2))
+    method = Sift(tau=0.6, warmup=4, gqa="shared", vmc=True, recalibrate_every=3)
+    _, ref_seq, ref_logp, _ = _generate_both(model, method)
+    ids, mask = _prompts()
+    with apply(model, method), torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0,
+                             eos_token_id=None, output_scores=True, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, ref_seq)
+    assert (torch.stack(out.scores, 1).log_softmax(-1) - ref_logp).abs().max().item() <= 1e-4
 
 
 def test_shared_equals_head_with_one_query_head_a_group():
