@@ -40,6 +40,17 @@ def run_interpreted(test_file: str, *args: str) -> dict:
     return run_json_script(test_file, *args, interpret=True)
 
 
+def triton_worker(test_file: str) -> dict:
+    """``test_file``'s ``--triton-worker`` results (run_interpreted); the test skips where triton is not installed."""
+    pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot be checked")
+    return run_interpreted(test_file, "--triton-worker")
+
+
+def dtype_tolerance(dtype: str) -> float:
+    """Relative error allowed against float64: float32 rounding, or half precision's."""
+    return 1e-5 if dtype == "float32" else 1e-2
+
+
 def run_interpreted_parts(test_file: str, flag: str, parts: list[str]) -> list[dict]:
     """``run_interpreted(test_file, flag, part)`` for every part, one subprocess per core at a time
     (the interpreter is single-threaded); results in the order of ``parts``."""

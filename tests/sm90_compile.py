@@ -130,6 +130,8 @@ def run_steps(kern, case: tuple) -> None:
     value_sum = None if renorm else torch.zeros(B, Hkv, D)  # value-mean compensation in the combine
     if value_sum is not None:
         kern.sparse(q, k, v, power_law, seq_lens, starts, value_sum)
+    if Hq != Hkv:  # Sift(gqa="shared"): one kept set per KV group in the filter pass
+        kern.sparse(q, k, v, power_law, seq_lens, starts, value_sum, shared=True)
     if cfg.fused_combine:  # the anchored steps need the fused combine (the gap is written there)
         kern.warmup_gap(q, k, seq_lens, starts, 64, 256)
         kern.sparse_anchored(q, k, v, power_law, gap, seq_lens, starts, 64, 256, onepass=False, value_sum=value_sum)

@@ -10,14 +10,21 @@ the union on the embedded GQA models over WikiText-2: per layer and overall, ove
 method approximates (after Sift's warmup), the kept fraction per query head, the fraction of V
 rows the group reads, and what independent heads keeping the same per-head fractions would read.
 
+``--prompt-len P`` scores each window as a decode instead (as ``sift ppl --prompt-len``): its first P tokens
+are a prompt (prefilled exactly, what Sift calibrates on), the rest teacher-forced decode steps, which are
+measured, with their perplexity and realized sparsity (``Sift(gqa="shared")`` against per-head sets).
+
     .venv/bin/python benchmarks/studies/group_union.py --seq-len 2048 --num-seqs 4 --out union_smollm2.json
     .venv/bin/python benchmarks/studies/group_union.py --model gemma3-270m --seq-len 2048 --num-seqs 4   # after make gemma
+    .venv/bin/python benchmarks/studies/group_union.py --seq-len 2048 --prompt-len 1536 --num-seqs 4 \
+        --methods full sift:tau=0.875,vmc=true sift:tau=0.875,vmc=true,gqa=shared --out gqa_shared.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +33,7 @@ import torch
 
 from siftattention import apply
 from siftattention.data import load_corpus, token_windows
+from siftattention.eval.perplexity import token_nll_after_prompt
 from siftattention.methods import parse_method
 from siftattention.methods.base import Method, Rows, Selection
 from siftattention.models import DEFAULT_MODEL, load_model
@@ -41,23 +49,16 @@ class LayerUnion:
     independent: float = 0.0
 
 
-class UnionProbe(Method):
-    """Runs ``inner`` unchanged and records, per layer, the group union of its kept keys."""
+def probe(method: Method, layers: dict[int, LayerUnion]) -> dict[int, int]:
+    """Record, per layer, the group union of every selection ``method`` makes (its ``select`` wrapped on the
+    instance, so a method calibrating on a prompt runs unchanged). Layers are told apart by their state, in
+    the order a forward pass first meets them: clear the returned map before each window."""
+    inner = method.select
+    order: dict[int, int] = {}
 
-    def __init__(self, inner: Method) -> None:
-        self.inner = inner
-        self.name = inner.name
-        self.warmup = inner.warmup
-        self.renormalize = inner.renormalize
-        self.vmc = inner.vmc
-        self.layers: dict[int, LayerUnion] = {}
-
-    def new_state(self, batch: int, heads: int, device: torch.device, layer: int = 0) -> Any:
-        return (self.inner.new_state(batch, heads, device, layer), layer)
-
-    def select(self, rows: Rows, state: Any) -> Selection:
-        inner_state, layer = state
-        sel = self.inner.select(rows, inner_state)
+    def select(rows: Rows, state: Any) -> Selection:
+        sel = inner(rows, state)
+        layer = order.setdefault(id(state), len(order))
         if sel.keep is None:
             return sel
         B, H, R, K = sel.keep.shape
@@ -68,12 +69,15 @@ class UnionProbe(Method):
         union = keep.any(dim=2).sum(-1).double() / n[:, None, :]  # [B, Hkv, R]
         independent = 1 - (1 - frac).prod(dim=2)
         use = (sel.approx & rows.is_step)[:, None, :].expand(B, H // g, R)
-        acc = self.layers.setdefault(layer, LayerUnion())
+        acc = layers.setdefault(layer, LayerUnion())
         acc.rows += int(use.sum())
         acc.kept_per_head += float(frac.mean(dim=2)[use].sum())
         acc.union += float(union[use].sum())
         acc.independent += float(independent[use].sum())
         return sel
+
+    method.select = select  # type: ignore[method-assign]
+    return order
 
 
 def summary(layers: dict[int, LayerUnion]) -> dict:
@@ -95,6 +99,7 @@ def main() -> None:
     ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--num-seqs", type=int, default=4)
+    ap.add_argument("--prompt-len", type=int, default=0, help="score each window as a decode after this prompt (0: teacher-forced)")
     ap.add_argument("--methods", nargs="+", default=["sift:tau=0.875,warmup=128", "oracle:tau=0.875", "topk:k=0.125"])
     ap.add_argument("--out")
     args = ap.parse_args()
@@ -107,24 +112,40 @@ def main() -> None:
     cfg = model.config.get_text_config()
     groups = cfg.num_attention_heads // cfg.num_key_value_heads
     ids = token_windows(load_corpus("wikitext2").text, tok, args.seq_len, args.num_seqs)
-    res = dict(model=args.model, seq_len=args.seq_len, num_seqs=args.num_seqs, query_heads=cfg.num_attention_heads,
+    res = dict(model=args.model, seq_len=args.seq_len, prompt_len=args.prompt_len, num_seqs=args.num_seqs, query_heads=cfg.num_attention_heads,
                kv_heads=cfg.num_key_value_heads, group=groups, date=time.strftime("%Y-%m-%d"),
                torch=torch.__version__, methods={})
     for spec, method in zip(args.methods, methods):
-        probe = UnionProbe(method)
+        layers: dict[int, LayerUnion] = {}
+        order = probe(method, layers)
+        nll, sparsity = [], []
         for w in range(args.num_seqs):
-            with apply(model, probe), torch.no_grad():
-                model(ids[w : w + 1])
+            order.clear()
+            with apply(model, method) as handle, torch.no_grad():
+                if args.prompt_len:
+                    nll.append(token_nll_after_prompt(model, ids[w], args.prompt_len, handle))
+                    sparsity.append(handle.stats.realized_sparsity(min_step=args.prompt_len + 1))
+                else:
+                    model(ids[w : w + 1])
             print(f"  {spec}: window {w + 1}/{args.num_seqs} ({time.time() - t0:.0f} s)", flush=True)
-        res["methods"][spec] = summary(probe.layers)
+        res["methods"][spec] = summary(layers)
+        if args.prompt_len:
+            res["methods"][spec].update(ppl=math.exp(float(torch.cat(nll).double().mean())),
+                                        realized_sparsity=sum(sparsity) / len(sparsity))
     res["seconds"] = round(time.time() - t0, 1)
+    scored = (f"the last {args.seq_len - args.prompt_len} scored as decode steps" if args.prompt_len
+              else "teacher-forced")
     print(f"\n{args.model}: {cfg.num_attention_heads} query heads / {cfg.num_key_value_heads} KV heads (group {groups}), "
-          f"{args.num_seqs} x {args.seq_len} WikiText-2 tokens, teacher-forced")
-    print("| method | kept per query head | V rows the group reads | independent heads would read | ratio |")
-    print("|---|---|---|---|---|")
+          f"{args.num_seqs} x {args.seq_len} WikiText-2 tokens, {scored}")
+    decode = "| ppl | realized sparsity " if args.prompt_len else ""
+    print(f"| method {decode}| kept per query head | V rows the group reads | independent heads would read | ratio |")
+    print("|---|---|---|---|---|" + ("---|---|" if args.prompt_len else ""))
     for spec, m in res["methods"].items():
         o = m["overall"]
-        print(f"| {spec} | {o['kept_per_head']:.4f} | {o['v_rows_read']:.4f} | {o['independent_heads']:.4f} | {o['union_vs_independent']:.3f} |")
+        if not o["rows"]:  # nothing approximated (Full): every key
+            o.update(kept_per_head=1.0, v_rows_read=1.0, independent_heads=1.0, union_vs_independent=1.0)
+        ppl = f"| {m['ppl']:.3f} | {m['realized_sparsity']:.4f} " if args.prompt_len else ""
+        print(f"| {spec} {ppl}| {o['kept_per_head']:.4f} | {o['v_rows_read']:.4f} | {o['independent_heads']:.4f} | {o['union_vs_independent']:.3f} |")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)

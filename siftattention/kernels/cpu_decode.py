@@ -123,23 +123,24 @@ _NO_TAU = torch.empty(0, dtype=torch.float64)
 def _run(mode: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, eta: torch.Tensor, tau: torch.Tensor,
          scale: float, seq_lens: torch.Tensor | None, starts: torch.Tensor | None, renormalize: bool,
          gap: torch.Tensor = _NO_ETA, first: int = 0, last: int = 0,
-         value_sum: torch.Tensor | None = None) -> list[torch.Tensor]:
+         value_sum: torch.Tensor | None = None, shared: bool = False) -> list[torch.Tensor]:
     v_rows = v_cache if v_cache.stride(-1) == 1 else v_cache.contiguous()
     vs = _NO_ETA if value_sum is None else value_sum.float().contiguous()
     return load().decode(q.contiguous(), k_cache, v_rows, eta, tau, float(scale), _index(seq_lens), _index(starts),
-                         bool(renormalize), mode, gap, int(first), int(last), vs)
+                         bool(renormalize), mode, gap, int(first), int(last), vs, bool(shared))
 
 
 def sift_decode_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, eta: torch.Tensor, scale: float,
                     seq_lens: torch.Tensor | None, renormalize: bool, starts: torch.Tensor | None = None,
-                    value_sum: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    value_sum: torch.Tensor | None = None, shared: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Sift step: out [B, Hq, D] float32, kept [B, Hq] int32 (semantics of ``torch_ref.sift_decode_torch``).
 
     ``seq_lens`` and ``starts``: int32 [B] tensors or None; ``eta``: float32 [B, Hq]; ``value_sum``:
-    [B, Hkv, D] for value-mean compensation (``torch_ref.value_mean_term``), or None.
+    [B, Hkv, D] for value-mean compensation (``torch_ref.value_mean_term``), or None; ``shared``: one kept
+    set per KV group.
     """
     out, kept, _ = _run(_SPARSE, q, k_cache, v_cache, eta.float().contiguous(), _NO_TAU, scale, seq_lens, starts, renormalize,
-                        value_sum=value_sum)
+                        value_sum=value_sum, shared=shared)
     return out, kept
 
 
@@ -164,12 +165,14 @@ def dense_decode_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 def warmup_decode_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tau: torch.Tensor, scale: float,
-                      seq_lens: torch.Tensor | None, starts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact attention and theta [B, Hq] float32, each head's tau-quantile (``tau``: float64 [B, Hq]).
+                      seq_lens: torch.Tensor | None, starts: torch.Tensor | None = None,
+                      shared: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact attention and theta [B, Hq] float32, each head's tau-quantile (``tau``: float64 [B, Hq]; ``shared``:
+    each KV group's maximum's, given to every head of the group).
 
     The probabilities are the ones ``sift_decode_cpu`` filters, bit for bit, so a threshold
     equal to theta drops exactly the keys at or below it there.
     """
     out, _, theta = _run(_WARMUP, q, k_cache, v_cache, _NO_ETA, tau.to(torch.float64).contiguous(), scale, seq_lens,
-                         starts, False)
+                         starts, False, shared=shared)
     return out, theta

@@ -25,6 +25,9 @@ Preconditions of the run methods (not checked, so that they stay cheap):
   of each KV head's value rows over the row's valid keys; the step's output gains
   ``(1 - kept mass) * value_sum / n``, n the valid keys (``torch_ref.value_mean_term``). Not with
   ``renormalize`` (the kept mass is then 1 by construction: nothing would be compensated).
+- ``shared`` (``Sift(gqa="shared")``): eta is equal over each KV group's query heads, and a key is kept
+  for every head of the group when some head's probability exceeds it (plus each head's own maximum);
+  ``warmup`` and ``sparse_quantile`` then measure the tau-quantile of the group's maximum probability.
 """
 
 from __future__ import annotations
@@ -38,8 +41,8 @@ import torch
 
 from .arguments import PowerLawThreshold, check_compensation, check_shape
 from .keybound import MAX_HEAD_DIM, Int8Keys, sift_keybound_decode_torch
-from .torch_ref import (anchor_gap_torch, dense_decode_torch, sift_anchored_decode_torch, sift_decode_torch,
-                        sift_warmup_decode_torch)
+from .torch_ref import (anchor_gap_torch, dense_decode_torch, group_quantile_of_scores, sift_anchored_decode_torch,
+                        sift_decode_torch, sift_warmup_decode_torch)
 
 BACKENDS = ("auto", "torch", "triton", "cpu")
 
@@ -162,19 +165,22 @@ class DecodeKernels:
 
     def sparse(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                eta: torch.Tensor | PowerLawThreshold, seq_lens: torch.Tensor,
-               starts: torch.Tensor | None = None, value_sum: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               starts: torch.Tensor | None = None, value_sum: torch.Tensor | None = None,
+               shared: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Sift step: out [B, Hq, D] (q's dtype) and kept [B, Hq] int32 (keys kept per head);
-        ``value_sum``: value-mean compensation (module docstring)."""
+        ``value_sum``: value-mean compensation, ``shared``: one kept set per KV group (module docstring)."""
         check_compensation(value_sum is not None, self.renormalize)
+        shared = self._grouped(shared)
         if self.backend == "triton":
             return self._launch(self._td.sparse, q, k_cache, v_cache, eta, self.scale, seq_lens, starts,
-                                self.renormalize, self.config, value_sum=value_sum)
+                                self.renormalize, self.config, value_sum=value_sum, shared=shared)
         if isinstance(eta, PowerLawThreshold):
             eta = eta.eta()
         if self.backend == "cpu":
             return self._cpu.sift_decode_cpu(q, k_cache, v_cache, eta, self.scale, seq_lens, self.renormalize, starts,
-                                             value_sum)
-        return sift_decode_torch(q, k_cache, v_cache, eta, self.scale, seq_lens, self.renormalize, starts, value_sum)
+                                             value_sum, shared)
+        return sift_decode_torch(q, k_cache, v_cache, eta, self.scale, seq_lens, self.renormalize, starts, value_sum,
+                                 shared)
 
 
     def sparse_keybound(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, keys: Int8Keys,
@@ -278,17 +284,34 @@ class DecodeKernels:
 
     def sparse_quantile(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         eta: torch.Tensor | PowerLawThreshold, tau: float, seq_lens: torch.Tensor,
-                        starts: torch.Tensor | None = None,
-                        value_sum: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                        starts: torch.Tensor | None = None, value_sum: torch.Tensor | None = None,
+                        shared: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``sparse``'s out and kept, and theta [B, Hq]: the exact tau-quantile of the step's probabilities (as
         ``warmup``'s). On Triton the quantile selects from the scores the sparse step stored, so K and V
-        are read once; elsewhere an exact ``warmup`` step measures it."""
+        are read once (``shared``: torch takes the group's quantile from those scores); elsewhere an exact
+        ``warmup`` step measures it."""
+        shared = self._grouped(shared)
         if self.backend == "triton":
             check_compensation(value_sum is not None, self.renormalize)
+            if shared:
+                out, kept = self.sparse(q, k_cache, v_cache, eta, seq_lens, starts, value_sum, shared=True)
+                return out, kept, self._stored_group_quantile(tau, seq_lens, starts)
             return self._launch(self._td.sparse_quantile, q, k_cache, v_cache, eta, self._tau_tensor(tau), self.scale,
                                 seq_lens, starts, self.renormalize, self.config, value_sum)
-        out, kept = self.sparse(q, k_cache, v_cache, eta, seq_lens, starts, value_sum)
-        return out, kept, self.warmup(q, k_cache, v_cache, tau, seq_lens, starts)[1]
+        out, kept = self.sparse(q, k_cache, v_cache, eta, seq_lens, starts, value_sum, shared=shared)
+        return out, kept, self.warmup(q, k_cache, v_cache, tau, seq_lens, starts, shared=shared)[1]
+
+    def _grouped(self, shared: bool) -> bool:
+        """Whether a ``shared`` step differs from a per-head one: not with one query head per KV head, which then
+        runs the per-head kernels themselves (bit for bit the same)."""
+        return shared and self.q_heads != self.kv_heads
+
+    def _stored_group_quantile(self, tau: torch.Tensor | float, seq_lens: torch.Tensor,
+                               starts: torch.Tensor | None) -> torch.Tensor:
+        """Triton: the group maximum's tau-quantile [B, Hq] from the scores the step just run stored, in torch (a
+        sort of [B, Hkv, S] probabilities: these are calibration steps, one in ``recalibrate_every``)."""
+        return group_quantile_of_scores(self.workspace.scores, self._tau_tensor(tau), seq_lens, starts,
+                                        self.q_heads // self.kv_heads)
 
     def _tau_tensor(self, tau: torch.Tensor | float) -> torch.Tensor:
         """``tau`` as the float64 [B, Hq] tensor the kernels read (a float's tensor made once, on the first,
@@ -302,19 +325,24 @@ class DecodeKernels:
         return tau_t
 
     def warmup(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tau: torch.Tensor | float,
-               seq_lens: torch.Tensor, starts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Exact output and theta [B, Hq] float32, the tau-quantile of each head's probabilities.
+               seq_lens: torch.Tensor, starts: torch.Tensor | None = None,
+               shared: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Exact output and theta [B, Hq] float32, the tau-quantile of each head's probabilities (``shared``: of
+        each KV group's maximum probability, given to every head of the group).
 
         ``tau``: a float or a [B, Hq] tensor; the quantile is torch.quantile's linear
         rule at position ``tau * (n - 1)`` ascending, ``n = seq_len - start``. The
         "cpu" backend selects the order statistics in linear time (no sort).
         """
         tau_t = self._tau_tensor(tau)
+        shared = self._grouped(shared)
         if self.backend == "triton":
-            return self._launch(self._td.warmup, q, k_cache, v_cache, tau_t, self.scale, seq_lens, starts, self.config)
+            out, theta = self._launch(self._td.warmup, q, k_cache, v_cache, tau_t, self.scale, seq_lens, starts,
+                                      self.config)
+            return (out, self._stored_group_quantile(tau_t, seq_lens, starts)) if shared else (out, theta)
         if self.backend == "cpu":
-            return self._cpu.warmup_decode_cpu(q, k_cache, v_cache, tau_t, self.scale, seq_lens, starts)
-        return sift_warmup_decode_torch(q, k_cache, v_cache, tau_t, self.scale, seq_lens, starts)
+            return self._cpu.warmup_decode_cpu(q, k_cache, v_cache, tau_t, self.scale, seq_lens, starts, shared)
+        return sift_warmup_decode_torch(q, k_cache, v_cache, tau_t, self.scale, seq_lens, starts, shared)
 
     @property
     def compiles_ahead(self) -> bool:

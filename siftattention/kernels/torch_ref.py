@@ -9,6 +9,11 @@ Valid keys of batch row b are the positions ``[starts[b], seq_lens[b])`` (``star
 None means 0, ``seq_lens`` None means S_max); other keys count nowhere. A row without a
 valid key has no probabilities: every step gives it zeros (output, kept count, quantile,
 anchored gap), never NaN, as the other backends do.
+
+``shared=True`` (``Sift(gqa="shared")``): the query heads of a KV group keep one set, the keys whose
+largest probability over the group's heads exceeds the group's threshold (``group_keep``), and
+the quantile is the tau-quantile of that group maximum (``group_quantile``), given to every head
+of the group. Each head still keeps its own maximum.
 """
 
 from __future__ import annotations
@@ -70,18 +75,45 @@ def _apply_v(p: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
     return out.reshape(B, Hq, D)
 
 
-def keep_mask(p: torch.Tensor, s: torch.Tensor, valid: torch.Tensor, eta: torch.Tensor, on_scores: bool = False) -> torch.Tensor:
+def keep_mask(p: torch.Tensor, s: torch.Tensor, valid: torch.Tensor, eta: torch.Tensor, on_scores: bool = False,
+              groups: int = 1) -> torch.Tensor:
     """Keys kept: ``p > eta``, every valid key where ``eta <= 0``, and always the row maximum.
 
     (``eta <= 0`` is explicit: ``p > 0`` would drop keys whose float32 probability
     underflows to 0, where the logit test of the Triton kernels keeps them. ``eta >= 1``
     and NaN keep the maximum only, as ``p > eta`` says.) ``on_scores``: the threshold is on
-    the scaled scores instead, ``s > eta`` (-inf keeps every valid key).
+    the scaled scores instead, ``s > eta`` (-inf keeps every valid key). ``groups`` > 1: the
+    heads of each run of ``groups`` heads (heads on dimension 1) keep the keys any of them passes.
     """
     e = eta[..., None].float()
-    keep = s > e if on_scores else (p > e) | (e <= 0)
+    keep = group_keep(s > e if on_scores else (p > e) | (e <= 0), groups)
     keep.scatter_(-1, s.argmax(dim=-1, keepdim=True), True)  # first maximum, as the kernels
     return keep & valid
+
+
+def group_keep(keep: torch.Tensor, groups: int) -> torch.Tensor:
+    """``keep`` [B, H, ...] with each KV group's heads (runs of ``groups`` on dimension 1) given the union of
+    their keys: with one threshold per group, that is the keys whose group maximum passes it."""
+    if groups == 1:
+        return keep
+    B, H = keep.shape[:2]
+    union = keep.unflatten(1, (H // groups, groups)).any(2, keepdim=True)
+    return union.expand(B, H // groups, groups, *keep.shape[2:]).flatten(1, 2).clone()
+
+
+def group_quantile(p: torch.Tensor, valid: torch.Tensor, tau: float | torch.Tensor, groups: int,
+                   host_sync: bool = True) -> torch.Tensor:
+    """The tau-quantile [..., H] of each head's probabilities ``p`` [..., H, K] over its valid keys (``valid``
+    broadcast against ``p``); ``groups`` > 1: of each KV group's maximum over its heads (runs of ``groups``
+    heads), given to every head of the group. ``tau``: a float or a tensor [..., H]."""
+    valid = valid.expand(p.shape)
+    if groups == 1:
+        return masked_quantile(p, valid, tau, host_sync=host_sync)
+    top = p.unflatten(-2, (p.shape[-2] // groups, groups)).amax(-2)
+    if isinstance(tau, torch.Tensor):
+        tau = tau[..., ::groups]
+    theta = masked_quantile(top, valid[..., ::groups, :], tau, host_sync=host_sync)
+    return theta.repeat_interleave(groups, -1)
 
 
 def sift_decode_torch(
@@ -94,11 +126,19 @@ def sift_decode_torch(
     renormalize: bool,
     starts: torch.Tensor | None = None,
     value_sum: torch.Tensor | None = None,
+    shared: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sparse step (module docstring); ``value_sum``: see ``value_mean_term``."""
+    """One sparse step (module docstring); ``value_sum``: see ``value_mean_term``; ``shared``: one kept set per
+    KV group (``eta`` equal over each group's heads)."""
     s, valid = _scores(q, k_cache, scale, seq_lens, starts)
     p = _probs(s)
-    return _kept_output(p, keep_mask(p, s, valid, eta), v_cache, renormalize, q.dtype, value_sum, valid)
+    keep = keep_mask(p, s, valid, eta, groups=_groups(q, k_cache) if shared else 1)
+    return _kept_output(p, keep, v_cache, renormalize, q.dtype, value_sum, valid)
+
+
+def _groups(q: torch.Tensor, k_cache: torch.Tensor) -> int:
+    """Query heads per KV head."""
+    return q.shape[1] // k_cache.shape[1]
 
 
 def _kept_weights(p: torch.Tensor, keep: torch.Tensor, renormalize: bool) -> torch.Tensor:
@@ -230,9 +270,27 @@ def sift_warmup_decode_torch(
     scale: float,
     seq_lens: torch.Tensor | None,
     starts: torch.Tensor | None = None,
+    shared: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact output and theta [B, Hq], the tau-quantile of each head's probabilities (``shared``: of each KV
+    group's maximum, ``group_quantile``)."""
     s, valid = _scores(q, k_cache, scale, seq_lens, starts)
     p = _probs(s)
     out = _apply_v(p, v_cache)
-    theta = masked_quantile(p, valid, tau, host_sync=False)  # no host sync: a decode step
+    # no host sync: a decode step
+    theta = group_quantile(p, valid, tau, _groups(q, k_cache) if shared else 1, host_sync=False)
     return out.to(q.dtype), theta.float()
+
+
+def group_quantile_of_scores(scores: torch.Tensor, tau: float | torch.Tensor, seq_lens: torch.Tensor | None,
+                             starts: torch.Tensor | None, groups: int) -> torch.Tensor:
+    """``group_quantile`` [B, Hq] from log2-domain scores [B, Hq, >= S] over each row's valid keys (what the
+    Triton passes store; positions outside the range may hold anything)."""
+    B, _, S = scores.shape
+    valid = valid_keys(B, S, scores.device, seq_lens, starts)
+    valid = torch.ones(B, S, dtype=torch.bool, device=scores.device) if valid is None else valid
+    s = scores.masked_fill(~valid[:, None, :], float("-inf"))
+    top = s.amax(-1, keepdim=True)
+    e = torch.exp2(s - top.masked_fill(top == float("-inf"), 0.0))
+    p = e / e.sum(-1, keepdim=True).clamp(min=torch.finfo(e.dtype).tiny)
+    return group_quantile(p, valid[:, None, :], tau, groups, host_sync=False).float()

@@ -45,14 +45,15 @@ def _filter_or_reset(geo: dict, ws: Workspace, *args, **kwargs):
 
 def sparse(geo: dict, ws: Workspace, q, k_cache, v_cache, eta, scale: float, seq_lens, starts, renormalize: bool,
            cfg: KernelConfig, anchors: tuple[torch.Tensor, int, int] | None = None,
-           value_sum: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sift decode step on prepared inputs: (out, kept). ``anchors``, ``value_sum``: see ``filter_pass``."""
+           value_sum: torch.Tensor | None = None, shared: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sift decode step on prepared inputs: (out, kept). ``anchors``, ``value_sum``, ``shared``: see
+    ``filter_pass``."""
     if anchors is not None and not (geo["fused"] and isinstance(eta, PowerLawThreshold)):
         raise ValueError("the anchored two-pass step needs fused_combine and a PowerLawThreshold")
     pdl = geo["pdl"]
     scores_pass(geo, ws, q, k_cache, scale, seq_lens, starts, cfg, pdl, None if anchors is None else anchors[1:])
     out, kept = _filter_or_reset(geo, ws, v_cache, eta, seq_lens, starts, cfg, q.dtype, renormalize, True, pdl,
-                                 anchors, value_sum=value_sum)
+                                 anchors, value_sum=value_sum, shared=shared)
     return out, kept
 
 

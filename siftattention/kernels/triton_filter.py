@@ -11,6 +11,10 @@ when ``fused_combine`` is off). On Hopper it is launched with programmatic depen
 it is dispatched during the scores kernel's tail and each program waits only for the splits
 of its own row, so the V gathers of finished rows overlap the last K reads.
 
+SHARED (``Sift(gqa="shared")``, eta equal over each group's heads): a key is kept for every head of the
+group when some head's score passes its threshold (``_kept``), so the kept set is the group's; each
+head still keeps its own maximum.
+
 The anchored normaliser's threshold and gap (``_anchored_threshold``, ``_gap``) live here
 too; the one-pass kernel (``triton_onepass``) uses the same ones.
 """
@@ -124,9 +128,21 @@ def _gap(m, l, a2):
 
 
 @triton.jit
-def _accumulate(acc, mass, s, idx, jm, thr, amax, m, g_mask, v_ptrs, vmask, DOT_PREC, DOT_UPCAST, USE_DOT, EVICT):
+def _kept(s, idx, jm, thr, amax, g_mask, SHARED: tl.constexpr):
+    """[G, N] the keys each head of the tile keeps (scores s [G, N] at positions idx [N], ``jm`` the real ones):
+    those above its threshold (SHARED: above some head's) and its own maximum."""
+    if SHARED:
+        above = tl.max(((s > thr[:, None]) & g_mask[:, None]).to(tl.int32), axis=0) > 0
+        return (above[None, :] | (idx[None, :] == amax[:, None])) & jm[None, :] & g_mask[:, None]
+    else:
+        return ((s > thr[:, None]) | (idx[None, :] == amax[:, None])) & jm[None, :] & g_mask[:, None]
+
+
+@triton.jit
+def _accumulate(acc, mass, s, idx, jm, thr, amax, m, g_mask, v_ptrs, vmask, DOT_PREC, DOT_UPCAST, USE_DOT, EVICT,
+                SHARED: tl.constexpr):
     """Add the kept keys of one tile (scores s [G, N] at positions idx [N]) to acc / mass."""
-    keep = ((s > thr[:, None]) | (idx[None, :] == amax[:, None])) & jm[None, :] & g_mask[:, None]
+    keep = _kept(s, idx, jm, thr, amax, g_mask, SHARED)
     w = tl.where(keep, tl.math.exp2(s - m[:, None]), 0.0)
     v = tl.load(v_ptrs, mask=vmask, other=0.0, eviction_policy="evict_first" if EVICT else "")
     if USE_DOT:
@@ -150,7 +166,7 @@ def _filter_kernel(
     KEEP_ALL: tl.constexpr, POWER_LAW: tl.constexpr, COMPACT: tl.constexpr, DENSE_PCT: tl.constexpr,
     STAGES_B: tl.constexpr, FUSED_COMBINE: tl.constexpr, RESET_SYNC: tl.constexpr, RENORMALIZE: tl.constexpr,
     WRITE_KEPT: tl.constexpr, PDL: tl.constexpr, EVICT: tl.constexpr, CHUNK: tl.constexpr,
-    ANCHORED: tl.constexpr, FLOOR: tl.constexpr, VMC: tl.constexpr,
+    ANCHORED: tl.constexpr, FLOOR: tl.constexpr, VMC: tl.constexpr, SHARED: tl.constexpr,
 ):
     """Pass 2 over one split of one (batch, KV head).
 
@@ -241,7 +257,7 @@ def _filter_kernel(
                 offs = _split_pos(u0 + offs_a, base, stride, CHUNK, BLOCK_A)
                 n_mask = (u0 + offs_a < n_virt) & (offs < end)
                 s = tl.load(sa_base + offs[None, :], mask=ga_mask[:, None] & n_mask[None, :], other=float("-inf"))
-                keep = ((s > thr_a[:, None]) | (offs[None, :] == amax_a[:, None])) & n_mask[None, :] & ga_mask[:, None]
+                keep = _kept(s, offs, n_mask, thr_a, amax_a, ga_mask, SHARED)
                 cnt_a += tl.sum(keep.to(tl.int32), axis=1)
                 rk = tl.max(keep.to(tl.int32), axis=0)
                 pos = tl.cumsum(rk, axis=0) - rk
@@ -279,7 +295,7 @@ def _filter_kernel(
                         v_ptrs = v_base + idx[:, None].to(tl.int64) * stride_vs + offs_d[None, :] * stride_vd
                         acc, mass, _ = _accumulate(
                             acc, mass, s, idx, jm, thr, amax, m, g_mask, v_ptrs, jm[:, None] & d_mask[None, :],
-                            DOT_PREC, DOT_UPCAST, USE_DOT, EVICT,
+                            DOT_PREC, DOT_UPCAST, USE_DOT, EVICT, SHARED,
                         )
                 tl.store(Cnt + row_a * NUM_SPLITS2 + split, cnt_a, mask=ga_mask)
     if dense:
@@ -300,6 +316,7 @@ def _filter_kernel(
                 v_mask = n_mask[:, None] & d_mask[None, :]
             acc, mass, c = _accumulate(
                 acc, mass, s, offs, n_mask, thr, amax, m, g_mask, v_ptrs, v_mask, DOT_PREC, DOT_UPCAST, USE_DOT, EVICT,
+                SHARED,
             )
             cnt += c
         tl.store(Cnt + pst, cnt, mask=g_mask)
@@ -413,7 +430,7 @@ def _combine_kernel(
 def filter_pass(
     geo: dict, ws: Workspace, v_cache, eta, seq_lens, starts, cfg: KernelConfig, out_dtype: torch.dtype,
     renormalize: bool, want_kept: bool, pdl: bool, anchors: tuple[torch.Tensor, int, int] | None = None,
-    floor: torch.Tensor | None = None, value_sum: torch.Tensor | None = None,
+    floor: torch.Tensor | None = None, value_sum: torch.Tensor | None = None, shared: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Pass 2: threshold, compaction, V gather and (fused) the output; ``eta`` None keeps every key.
 
@@ -423,6 +440,7 @@ def filter_pass(
     ``floor`` [B, Hq] float32: a least log2-domain threshold per head (the key-bound step's).
     ``value_sum``: [B, Hkv, D] float32 contiguous, the sum of each KV head's valid value rows, for
     value-mean compensation (``torch_ref.value_mean_term``; not with ``renormalize``).
+    ``shared``: one kept set per KV group (``eta`` equal over each group's heads; module docstring).
     """
     B, Hq, Hkv, S, D = geo["B"], geo["Hq"], geo["Hkv"], geo["S"], geo["D"]
     power_law = isinstance(eta, PowerLawThreshold)
@@ -453,7 +471,7 @@ def filter_pass(
         POWER_LAW=power_law, COMPACT=compact, DENSE_PCT=cfg.dense_pct, STAGES_B=geo["STAGES_B"],
         FUSED_COMBINE=fused, RESET_SYNC=fused, RENORMALIZE=renormalize, WRITE_KEPT=want_kept,
         PDL=pdl, EVICT=cfg.evict, CHUNK=geo["CHUNK2"], ANCHORED=anchors is not None, FLOOR=floor is not None,
-        VMC=value_sum is not None,
+        VMC=value_sum is not None, SHARED=shared and eta is not None,
         num_warps=cfg.warps2, num_stages=cfg.stages2, **geo["regs2"], **({"launch_pdl": True} if pdl else {}),
     )
     if not fused:

@@ -27,6 +27,13 @@ geometrically in step over the whole prompt, so decoding is sparse from its firs
 Every ``recalibrate_every`` sparse steps one step also measures its exact quantile and adds it to
 the fit's least-squares sums, every earlier point weighted down by ``recalibrate_decay``.
 
+``gqa="shared"`` (beyond the paper): the query heads of each KV group keep one set, so a decode step reads the
+V rows of about one head's share instead of the union of the group's sets. The group's statistic is the
+largest probability of a key over the group's heads; its tau-quantile is measured, fitted and predicted per
+(sequence, layer, KV head) exactly as a head's is (the state stays per query head, every head of a group
+holding the same points and fit), and a key is kept for the whole group when its statistic exceeds the
+prediction (each head also keeps its own maximum).
+
 ``vmc=True`` (beyond the paper, with ``renormalize=False``): value-mean compensation, the pruned
 probability mass times the mean of the row's valid value rows added to the output
 (``ThresholdMethod``; a running sum of the value rows keeps the decode step's kernels sparse in V).
@@ -41,8 +48,8 @@ import torch
 
 from ..kernels.keybound import KEY_FORMS, key_copy_form
 from ..kernels.plan import DecodeKernels, PowerLawThreshold, resolve_backend
-from ..kernels.torch_ref import anchor_mask
-from ..powerlaw import PowerLawFit, PowerLawSums, fit_power_law, masked_quantile, predict_log
+from ..kernels.torch_ref import anchor_mask, group_quantile
+from ..powerlaw import PowerLawFit, PowerLawSums, fit_power_law, predict_log
 from .base import (DecodeOutput, KeyRange, PromptChunk, Rows, check_bool, check_fraction, check_int, check_real,
                    check_vmc)
 from .threshold import RowThresholds, StepThreshold, ThresholdMethod, ThresholdState
@@ -179,10 +186,12 @@ class Sift(ThresholdMethod):
     warmup_min: int = 16
     vmc: bool = False
     keybound: bool | Literal["row", "channel"] = False
+    gqa: Literal["head", "shared"] = "head"
     name = "sift"
     #: shown in ``spec()`` only where they differ from their defaults
     spec_optional: ClassVar[tuple[str, ...]] = ("normalizer", "anchor_first", "anchor_last", "recalibrate_every",
-                                                "recalibrate_decay", "warmup_tolerance", "warmup_min", "vmc", "keybound")
+                                                "recalibrate_decay", "warmup_tolerance", "warmup_min", "vmc", "keybound",
+                                                "gqa")
     spec_words: ClassVar[dict[str, tuple[str, ...]]] = {"keybound": KEY_FORMS}
     #: the prompt rows a decode calibrates on (``warmup_source="prompt"``)
     calibration: ClassVar[PromptCalibration] = PromptCalibration()
@@ -214,6 +223,13 @@ class Sift(ThresholdMethod):
             raise ValueError("keybound needs normalizer='exact' (the key-bound step computes the exact normaliser's bounds)")
         if self.keybound and self.vmc:
             raise ValueError("keybound does not compensate (vmc=True): the key-bound step has no value sum")
+        if self.gqa not in ("head", "shared"):
+            raise ValueError(f"gqa must be 'head' or 'shared', got {self.gqa!r}")
+        if self.shared and self.anchored:
+            raise ValueError("gqa='shared' needs normalizer='exact' (the anchored normaliser predicts each head's own "
+                             "normaliser, not a group's)")
+        if self.shared and self.keybound:
+            raise ValueError("gqa='shared' does not run the key-bound step (keybound): its bounds drop keys per head")
         # Host-side, set by each prompt: the decode step where the decode warmup ends (0: no decode warmup),
         # and whether the batch was calibrated on its prompts (only such fits recalibrate).
         self._warmup_end = 0 if self.warmup_source == "prefill" else self.warmup
@@ -256,11 +272,15 @@ class Sift(ThresholdMethod):
         if b_idx.numel() == 0:
             return
         probs = rows.probs[b_idx, :, r_idx]  # [n, H, K]
-        valid = rows.valid[b_idx, :, r_idx].expand_as(probs)
-        theta = masked_quantile(probs, valid, self.tau)
+        theta = self._quantile(probs, rows.valid[b_idx, :, r_idx], rows.groups)
         pos = slot[b_idx, r_idx]
         state.thetas[b_idx, :, pos] = theta
         state.theta_steps[b_idx, pos] = rows.steps[b_idx, r_idx].float()
+
+    def _quantile(self, probs: torch.Tensor, valid: torch.Tensor, groups: int) -> torch.Tensor:
+        """theta [..., H] of rows of probabilities [..., H, K] (``valid`` broadcast against them): each head's
+        tau-quantile, or with ``gqa="shared"`` its KV group's (``groups`` heads a group)."""
+        return group_quantile(probs, valid, self.tau, groups if self.shared else 1)
 
     def _fit(self, state: SiftState, which: torch.Tensor) -> None:
         """Fit the sequences in ``which`` ([B] bool) on their recorded warmup points.
@@ -327,8 +347,7 @@ class Sift(ThresholdMethod):
             # Fits made on a prompt only: the paper's warmup (and a teacher-forced pass) keeps its one fit.
             measure = approx & state.calibrated[:, None] & (index % self.recalibrate_every == 0)
             for r in measure.any(dim=0).nonzero()[:, 0].tolist():
-                probs = rows.probs[:, :, r]
-                theta = masked_quantile(probs, rows.valid[:, :, r].expand_as(probs), self.tau)
+                theta = self._quantile(rows.probs[:, :, r], rows.valid[:, :, r], rows.groups)
                 self._recalibrate(state, rows.steps[:, r], theta, measure[:, r])
                 log_alpha[:, :, r + 1:] = state.log_alpha[:, :, None]
                 beta[:, :, r + 1:] = state.beta[:, :, None]
@@ -368,7 +387,8 @@ class Sift(ThresholdMethod):
     def step_threshold(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, keys: KeyRange,
                        state: SiftState, phase: str, kernels: Any) -> StepThreshold:
         if phase == "warmup":
-            out, theta = kernels.warmup(query, k_cache, v_cache, self.tau, keys.seq_lens, keys.starts)
+            out, theta = kernels.warmup(query, k_cache, v_cache, self.tau, keys.seq_lens, keys.starts,
+                                        shared=self.shared)
             # Decode steps run in lockstep over the batch, so one slot index serves every row.
             slot = state.count[:1].clamp(max=self.warmup - 1)
             state.thetas.index_copy_(2, slot, theta[:, :, None].float())
@@ -401,7 +421,7 @@ class Sift(ThresholdMethod):
         # The step filters with the fit so far, then its exact quantile (from the scores the step computed
         # anyway) joins the fit.
         out, kept, theta = kernels.sparse_quantile(query, k_cache, v_cache, threshold, self.tau, keys.seq_lens,
-                                                   keys.starts, value_sum)
+                                                   keys.starts, value_sum, shared=self.shared)
         self._recalibrate(state, keys.steps(), theta, state.calibrated)
         return DecodeOutput(out, kept, state.fitted)
 
@@ -505,8 +525,9 @@ class Sift(ThresholdMethod):
                 mine = b_idx == b
                 rows, slots = r_idx[mine], slot[mine]
                 for a in range(0, rows.numel(), per_call):
-                    probs, valid = chunk.probs(b, rows[a:a + per_call])
-                    theta = masked_quantile(probs, valid.expand_as(probs), self.tau)  # [H, n]
+                    probs, valid = chunk.probs(b, rows[a:a + per_call])  # [H, n, K], [1, n, K]
+                    groups = probs.shape[0] // chunk.key.shape[1]
+                    theta = self._quantile(probs.transpose(0, 1), valid.transpose(0, 1), groups).t()  # [H, n]
                     state.prompt_thetas[b, :, slots[a:a + per_call]] = theta
                     state.prompt_recorded[b, slots[a:a + per_call]] = True
         if chunk.final:
@@ -557,7 +578,8 @@ class Sift(ThresholdMethod):
             queries = state.prompt_queries[b].transpose(0, 1).contiguous()  # [n, H, D]
             cache = key[b:b + 1].expand(n, -1, -1, -1)
             # The keys stand in for the values: the step's output is not used.
-            _, theta = kernels.warmup(queries, cache, cache, self.tau, ends[b].contiguous(), starts[b].contiguous())
+            _, theta = kernels.warmup(queries, cache, cache, self.tau, ends[b].contiguous(), starts[b].contiguous(),
+                                      shared=self.shared)
             pending = state.prompt_pending[b]
             state.prompt_thetas[b] = torch.where(pending[None, :], theta.t(), state.prompt_thetas[b])
         state.prompt_recorded |= state.prompt_pending

@@ -7,6 +7,8 @@ the reference path (``select``) and the decode path (``decode_step``) alike:
 - the filter: ``p > eta`` with probabilities (``eta <= 0`` keeps every valid key, ``eta >= 1`` and
   NaN only the maximum), or ``s > theta`` with scaled scores (``theta = -inf`` keeps every key);
 - the row's maximum, always kept, so no row goes empty;
+- with ``gqa="shared"`` (Sift's option; the threshold then equal over each KV group's query heads) one
+  kept set per KV group: a key is kept for every head of the group when some head passes;
 - rows the method does not approximate (its warmup) keep every valid key;
 - the output: the full-softmax normaliser, the kept mass (``renormalize``), and value-mean
   compensation (``vmc``): the pruned probability mass times the mean of the row's valid value rows.
@@ -34,6 +36,7 @@ from typing import Any, ClassVar, Literal
 import torch
 
 from ..kernels.arguments import PowerLawThreshold
+from ..kernels.torch_ref import group_keep
 from ..kernels.value_sum import add_step_value_rows
 from .base import (DecodeOutput, KeyRange, Method, PromptChunk, Rows, Selection, compensate_value_mean, keep_row_max,
                    select_sequences, sum_value_rows)
@@ -85,6 +88,13 @@ class ThresholdMethod(Method):
 
     #: "prob": the threshold is on softmax probabilities; "score": on scaled pre-softmax scores
     threshold_space: ClassVar[Literal["prob", "score"]] = "prob"
+    #: "head": each query head keeps its own set; "shared": each KV group one (a method whose thresholds are
+    #: equal over a group's heads: Sift's ``gqa`` field)
+    gqa: str = "head"
+
+    @property
+    def shared(self) -> bool:
+        return self.gqa == "shared"
 
     @property
     def tracks_values(self) -> bool:
@@ -154,6 +164,8 @@ class ThresholdMethod(Method):
             keep = rows.scores > eta
         else:
             keep = (rows.probs > eta) | (eta <= 0)
+        if self.shared:
+            keep = group_keep(keep, rows.groups)
         keep = keep_row_max(rows.probs, keep, rows.valid)
         keep = torch.where(th.approx[:, None, :, None], keep, rows.valid)
         return Selection(keep=keep, approx=th.approx)
@@ -172,7 +184,8 @@ class ThresholdMethod(Method):
             out, kept = kernels.sparse_anchored(query, k_cache, v_cache, th.eta, gap, keys.seq_lens, keys.starts,
                                                 first, last, value_sum=value_sum)
         else:
-            out, kept = kernels.sparse(query, k_cache, v_cache, th.eta, keys.seq_lens, keys.starts, value_sum)
+            out, kept = kernels.sparse(query, k_cache, v_cache, th.eta, keys.seq_lens, keys.starts, value_sum,
+                                       shared=self.shared)
         return DecodeOutput(out, kept, th.approx)
 
     def _score_step(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, theta: torch.Tensor,

@@ -15,6 +15,10 @@
 // alignment or threads, so a threshold taken from WARMUP's quantile filters the very same
 // numbers in SPARSE.
 //
+// shared (SPARSE and WARMUP; Sift(gqa="shared"), eta equal over each group's heads): the group keeps
+// one set, the keys whose largest probability over its heads passes eta (each head adds its own
+// maximum), and WARMUP's quantile is that group maximum's, given to every head of the group.
+//
 // Semantics (kernels/torch_ref.py): valid keys of row b are [starts[b], seq_lens[b]);
 // p = softmax over them; keep p > eta, every valid key where eta <= 0, and always the
 // first maximum; out = sum_kept p_i v_i (divided by the kept mass with renormalize), plus, given the
@@ -132,11 +136,13 @@ float quantile(const float* p, float* tmp, int64_t n, double tau) {
 // Returns {out [B, Hq, D] float32, kept [B, Hq] int32, theta [B, Hq] float32 (WARMUP; else empty)}.
 // ANCHORED: eta holds log eta, and gap [B, Hq] float32 is read and overwritten in place.
 // value_sum: [B, Hkv, D] float32 (SPARSE and ANCHORED without renormalize), or empty for none.
+// shared: one kept set per KV group (SPARSE, WARMUP; the file's header).
 std::vector<torch::Tensor> decode_cpu(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor eta,
                                       torch::Tensor tau, double scale, torch::Tensor seq_lens, torch::Tensor starts,
                                       bool renormalize, int64_t mode, torch::Tensor gap, int64_t first, int64_t last,
-                                      torch::Tensor value_sum) {
+                                      torch::Tensor value_sum, bool shared) {
   TORCH_CHECK(mode == SPARSE || mode == DENSE || mode == WARMUP || mode == ANCHORED, "unknown mode");
+  TORCH_CHECK(!shared || mode == SPARSE || mode == WARMUP, "shared runs the SPARSE and WARMUP modes only");
   TORCH_CHECK(q.dtype() == torch::kFloat32 && k.dtype() == torch::kFloat32 && v.dtype() == torch::kFloat32,
               "float32 tensors expected");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 4 && v.dim() == 4, "q [B, Hq, D] and caches [B, Hkv, S, D] expected");
@@ -198,6 +204,7 @@ std::vector<torch::Tensor> decode_cpu(torch::Tensor q, torch::Tensor k, torch::T
     std::vector<float> tmp;      // [L]: a quantile's scratch
     std::vector<uint8_t> rows;   // [L]: 1 where some head of the group keeps the key
     std::vector<int64_t> list;   // [L]: the kept keys of the group, ascending
+    std::vector<float> top;      // [L] (shared): the group's largest probability of each key
     std::vector<float> inv_z(G), thr(G), max_scaled(G), mass(G);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / Hkv, h = task % Hkv;
@@ -230,24 +237,42 @@ std::vector<torch::Tensor> decode_cpu(torch::Tensor q, torch::Tensor k, torch::T
           thr[g] = -1.f;
         }
       }
+      for (int64_t g = 0; g < G; ++g) {
+        float* eg = e.data() + g * L;
+        const float iz = inv_z[g];
+#pragma omp simd
+        for (int64_t j = 0; j < L; ++j) eg[j] *= iz;  // the probabilities
+      }
+      if (shared) {  // a key passes the group's threshold when its largest probability over the heads does
+        top.assign(e.begin(), e.begin() + L);
+        for (int64_t g = 1; g < G; ++g) {
+          const float* eg = e.data() + g * L;
+#pragma omp simd
+          for (int64_t j = 0; j < L; ++j) top[j] = std::max(top[j], eg[j]);
+        }
+        if (mode == WARMUP) {
+          tmp.resize(L);
+          const float th = quantile(top.data(), tmp.data(), L, tp[head0]);
+          std::fill(thp + head0, thp + head0 + G, th);
+        }
+      }
       // The kept weights and the keys some head keeps, branch-free, so that the pass over
       // V below reads only the marked rows and never mispredicts.
       std::fill(rows.begin(), rows.begin() + L, 0);
       for (int64_t g = 0; g < G; ++g) {
         float* eg = e.data() + g * L;
         const float iz = inv_z[g];
-#pragma omp simd
-        for (int64_t j = 0; j < L; ++j) eg[j] *= iz;  // the probabilities
-        if (mode == WARMUP) {
+        if (mode == WARMUP && !shared) {
           tmp.resize(L);
           thp[head0 + g] = quantile(eg, tmp.data(), L, tp[head0 + g]);
         }
         const float t = thr[g];
+        const float* by = shared ? top.data() : eg;  // what the threshold is compared with
         int32_t c = 0;
         float m = 0.f;
 #pragma omp simd reduction(+ : c, m)
         for (int64_t j = 0; j < L; ++j) {
-          const bool keep = eg[j] > t;
+          const bool keep = by[j] > t;
           eg[j] = keep ? eg[j] : 0.f;
           c += keep ? 1 : 0;
           m += eg[j];
@@ -257,10 +282,12 @@ std::vector<torch::Tensor> decode_cpu(torch::Tensor q, torch::Tensor k, torch::T
         // eta is NaN), keep the first maximum by index, as torch's argmax picks it.
         if (!(iz > t)) {
           const int64_t a = first_scaled_equal(s0 + g * W, L, sc, max_scaled[g]);
-          eg[a] = iz;
-          c += 1;
-          m += iz;
-          rows[a] = 1;
+          if (!shared || !(top[a] > t)) {  // shared: the group's set may hold it already
+            eg[a] = iz;
+            c += 1;
+            m += iz;
+            rows[a] = 1;
+          }
         }
         kp[head0 + g] = c;
         mass[g] = m;
@@ -303,5 +330,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode", &decode_cpu,
         "Fused decode step on the CPU, float32: mode 0 Sift (threshold eta), 1 exact, 2 exact and tau-quantile, "
         "3 Sift with the anchored normaliser (log eta, gap in place, anchor counts); value_sum: value-mean "
-        "compensation of modes 0 and 3");
+        "compensation of modes 0 and 3; shared: one kept set per KV group (modes 0 and 2)");
 }
