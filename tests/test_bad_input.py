@@ -198,6 +198,7 @@ CLI_ROWS: list[Cli] = [
     Cli("ppl --method skipsoftmax:scale=-1", "skipsoftmax: scale must be a positive finite number"),
     Cli("ppl --method sift:tau", "'tau' is not key=value"),
     Cli("ppl --method sift:beta=3", "unknown parameter 'beta'"),
+    Cli("ppl --method sift:gqa=group", "sift: gqa must be 'head' or 'shared', got 'group'"),
     Cli("ppl --method topk:renormalize=maybe", "is not a boolean"),
     Cli("generate --method sift:tau=x", "tau='x' is not a number"),
     # data

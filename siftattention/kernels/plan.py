@@ -338,7 +338,7 @@ class DecodeKernels:
         shared = self._grouped(shared)
         if self.backend == "triton":
             out, theta = self._launch(self._td.warmup, q, k_cache, v_cache, tau_t, self.scale, seq_lens, starts,
-                                      self.config)
+                                      self.config, quantile=not shared)
             return (out, self._stored_group_quantile(tau_t, seq_lens, starts)) if shared else (out, theta)
         if self.backend == "cpu":
             return self._cpu.warmup_decode_cpu(q, k_cache, v_cache, tau_t, self.scale, seq_lens, starts, shared)

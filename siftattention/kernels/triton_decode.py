@@ -67,15 +67,16 @@ def sparse_quantile(geo: dict, ws: Workspace, q, k_cache, v_cache, eta, tau, sca
 
 
 def warmup(geo: dict, ws: Workspace, q, k_cache, v_cache, tau, scale: float, seq_lens, starts,
-           cfg: KernelConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact output plus theta; ``tau`` is a float64 [B, Hq] tensor."""
+           cfg: KernelConfig, quantile: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Exact output plus theta; ``tau`` is a float64 [B, Hq] tensor. ``quantile=False``: no theta (None), the
+    scores left in the workspace for a quantile of the caller's (``gqa="shared"``'s group maximum)."""
     if cfg.warmup_dense:
         out = dense(geo, ws, q, k_cache, v_cache, scale, seq_lens, starts, cfg, store_scores=True)
-        return out, quantile_pass(geo, ws, tau, seq_lens, starts, cfg, from_dense=True)
+        return out, quantile_pass(geo, ws, tau, seq_lens, starts, cfg, from_dense=True) if quantile else None
     pdl = geo["pdl"]
     scores_pass(geo, ws, q, k_cache, scale, seq_lens, starts, cfg, pdl)
     try:
-        theta = quantile_pass(geo, ws, tau, seq_lens, starts, cfg)
+        theta = quantile_pass(geo, ws, tau, seq_lens, starts, cfg) if quantile else None
     except BaseException:
         ws.sync[:2].zero_()
         raise
