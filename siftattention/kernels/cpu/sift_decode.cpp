@@ -22,8 +22,9 @@
 // The quantile is torch.quantile's linear rule at position tau * (n - 1), ascending.
 // A row without a valid key (start == seq_len) gives zeros: output, kept count, quantile and gap.
 
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
+
+#include "common.h"
 
 #include <algorithm>
 #include <cmath>
@@ -34,67 +35,9 @@
 
 namespace {
 
+using namespace sift_cpu;
+
 enum Mode : int64_t { SPARSE = 0, DENSE = 1, WARMUP = 2, ANCHORED = 3 };
-
-// exp(x) for x <= 0 (Cephes' expf polynomial, about 1 ulp), written branch-free on plain
-// floats so that the loops calling it vectorise; below -87.3 it returns 0.
-inline float exp_nonpos(float x) {
-  const float lo = -87.33654f;
-  const float xc = x < lo ? lo : x;
-  const float n = std::floor(xc * 1.44269504088896341f + 0.5f);
-  float r = xc - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  float y = 1.9875691500e-4f;
-  y = y * r + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
-  y = y * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float pow2;
-  std::memcpy(&pow2, &bits, sizeof(pow2));
-  return x < lo ? 0.0f : y * pow2;
-}
-
-// The maximum does not depend on the order, so OpenMP SIMD may reorder it.
-inline float row_max(const float* x, int64_t n) {
-  float m = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : m)
-  for (int64_t j = 0; j < n; ++j) m = x[j] > m ? x[j] : m;
-  return m;
-}
-
-// y[j] = exp(scale * (x[j] - xmax)); returns their sum in a fixed association (16 lanes,
-// then a fixed tree), so the same values always give the same bits. Shifting before scaling
-// makes y exactly 1 at the maximum: with scale * x[j] - scale * xmax the compiler may fuse a
-// multiply-add whose unrounded product leaves a residue there (p_max = 1 / z no longer holds).
-inline float exp_shift_sum(const float* x, float* y, int64_t n, float scale, float xmax) {
-#pragma omp simd
-  for (int64_t j = 0; j < n; ++j) y[j] = exp_nonpos(scale * (x[j] - xmax));
-  float acc[16] = {0};
-  int64_t j = 0;
-  for (; j + 16 <= n; j += 16) {
-    for (int i = 0; i < 16; ++i) acc[i] += y[j + i];
-  }
-  for (int w = 8; w >= 1; w /= 2) {
-    for (int i = 0; i < w; ++i) acc[i] += acc[i + w];
-  }
-  float z = acc[0];
-  for (; j < n; ++j) z += y[j];
-  return z;
-}
-
-inline int64_t first_scaled_equal(const float* x, int64_t n, float scale, float value) {
-  for (int64_t j = 0; j < n; ++j) {
-    if (scale * x[j] == value) return j;
-  }
-  return 0;
-}
-
-inline void axpy(float* __restrict y, float w, const float* __restrict x, int64_t n) {
-  for (int64_t d = 0; d < n; ++d) y[d] += w * x[d];
-}
 
 // Sum of e over the anchors of a row of n keys: [0, first) and [max(first, n - last), n).
 inline float anchor_sum(const float* e, int64_t n, int64_t first, int64_t last) {
@@ -256,11 +199,7 @@ std::vector<torch::Tensor> decode_cpu(torch::Tensor q, torch::Tensor k, torch::T
         // The maximum has e = exp(0) = 1, so p = 1 / z. Where the threshold drops it (or
         // eta is NaN), keep the first maximum by index, as torch's argmax picks it.
         if (!(iz > t)) {
-          const int64_t a = first_scaled_equal(s0 + g * W, L, sc, max_scaled[g]);
-          eg[a] = iz;
-          c += 1;
-          m += iz;
-          rows[a] = 1;
+          keep_maximum(eg, rows.data(), first_scaled_equal(s0 + g * W, L, sc, max_scaled[g]), iz, c, m);
         }
         kp[head0 + g] = c;
         mass[g] = m;
@@ -304,4 +243,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Fused decode step on the CPU, float32: mode 0 Sift (threshold eta), 1 exact, 2 exact and tau-quantile, "
         "3 Sift with the anchored normaliser (log eta, gap in place, anchor counts); value_sum: value-mean "
         "compensation of modes 0 and 3");
+  m.def("keybound", &keybound_cpu,
+        "Key-bound Sift step on the CPU (keybound_decode.cpp): bounds from the int8 key copy, full float32 keys "
+        "of the candidates only; returns out, kept and the candidate rows per (batch row, KV head)");
 }
