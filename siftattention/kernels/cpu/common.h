@@ -82,6 +82,17 @@ inline void keep_maximum(float* w, uint8_t* rows, int64_t a, float p, int32_t& c
   rows[a] = 1;
 }
 
+// Asks for every cache line of a row of n elements (a gathered row: the hardware prefetcher cannot
+// guess the next one, and the adjacent-line prefetch covers two of its lines at most).
+template <typename T>
+inline void prefetch_row(const T* row, int64_t n) {
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int64_t b = 0; b < n * static_cast<int64_t>(sizeof(T)); b += 64) __builtin_prefetch(p + b);
+}
+
+// Rows ahead that a gather asks for.
+constexpr int64_t kGatherAhead = 8;
+
 inline void axpy(float* __restrict y, float w, const float* __restrict x, int64_t n) {
   for (int64_t d = 0; d < n; ++d) y[d] += w * x[d];
 }

@@ -89,11 +89,9 @@ void dot_rows(const float* q, int64_t D, const T* base, int64_t stride, const in
   if (D % 8 == 0) {
     int64_t i = 0;
     for (; i + 2 <= n; i += 2) {
-      if (idx && i + 6 < n) {  // scattered rows: fetch ahead what the hardware prefetcher cannot guess
-        for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(T)); b += 64) {
-          __builtin_prefetch(reinterpret_cast<const char*>(row(i + 5)) + b);
-          __builtin_prefetch(reinterpret_cast<const char*>(row(i + 6)) + b);
-        }
+      if (idx && i + kGatherAhead + 1 < n) {  // scattered rows
+        prefetch_row(row(i + kGatherAhead), D);
+        prefetch_row(row(i + kGatherAhead + 1), D);
       }
       const T* rows[2] = {row(i), row(i + 1)};
       dot_tile<GT, 2>(q, D, rows, out + i, ld);
@@ -353,7 +351,7 @@ std::vector<torch::Tensor> keybound_cpu(torch::Tensor q, torch::Tensor k, torch:
         nk += rows[i];
       }
       for (int64_t r = 0; r < nk; ++r) {
-        if (r + 4 < nk) __builtin_prefetch(vb + list[picked[r + 4]] * vs2);
+        if (r + kGatherAhead < nk) prefetch_row(vb + list[picked[r + kGatherAhead]] * vs2, D);
         const int64_t i = picked[r];
         const float* vrow = vb + list[i] * vs2;
         for (int64_t g = 0; g < G; ++g) {

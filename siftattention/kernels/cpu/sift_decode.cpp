@@ -212,7 +212,7 @@ std::vector<torch::Tensor> decode_cpu(torch::Tensor q, torch::Tensor k, torch::T
       const float* vb = vp + b * vs0 + h * vs1;
       float* og = op + head0 * D;
       for (int64_t i = 0; i < n; ++i) {
-        if (i + 4 < n) __builtin_prefetch(vb + (lo + list[i + 4]) * vs2);
+        if (i + kGatherAhead < n) prefetch_row(vb + (lo + list[i + kGatherAhead]) * vs2, D);
         const int64_t j = list[i];
         const float* vrow = vb + (lo + j) * vs2;
         for (int64_t g = 0; g < G; ++g) {
