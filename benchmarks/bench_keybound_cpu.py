@@ -3,12 +3,13 @@
     PYTHONPATH=. .venv/bin/python benchmarks/bench_keybound_cpu.py --captured cap_qwen_4096.pt --batch 1 2 4 --out kb_cpu_qwen.json
     PYTHONPATH=. .venv/bin/python benchmarks/bench_keybound_cpu.py --heads 12,2 --head-dim 128 --seq 8192 16384 32768 --batch 1 2 4
 
-Per (batch B, length S) the inputs are sets of (q, k, v) float32: successive layers of a capture (``sift capture``;
-the last captured position's query, tiled over the B rows) or planted attention (keys with an offset channel, a few
-keys every query attends to, queries of a group correlated), with as many sets as it takes to pass twice the
+Per (batch B, length S) the inputs are sets of (q, k, v) float32: every layer of a capture (``sift capture``; the
+last captured position's query, tiled over the B rows) or planted attention (keys with an offset channel, a few
+keys every query attends to, queries of a group correlated), as many sets as it takes to pass twice the
 last-level cache, so every timed call reads its caches from memory as a decode step through a model's layers
 does. Per target sparsity s each head's eta is the exact s-quantile of its float64 probabilities. Timed, with the
-order rotated every round, median over ``--repeats`` rounds of one call per set (time per layer step):
+order rotated every round, median over ``--repeats`` rounds of one call per set (time per layer step; the ratios
+are medians of each round's own ratio, so a load that comes and goes between rounds cancels):
 
 - ``keybound_row`` / ``keybound_channel``: ``cpu_decode.keybound_decode_cpu`` over the per-row / per-channel int8
   copy (channel ranges from the first ``--prompt`` of each set's keys, the rest quantised as decode keys are);
@@ -58,13 +59,14 @@ def planted_sets(n_sets: int, B: int, Hq: int, Hkv: int, S: int, D: int, gen: to
     return sets
 
 
-def captured_sets(path: str, n_sets: int, B: int) -> tuple[list[tuple], dict]:
-    """Successive captured layers' last decode step, each tiled over B rows (float32)."""
+def captured_sets(path: str, n_sets: int | None, B: int) -> tuple[list[tuple], dict]:
+    """Successive captured layers' last decode step (``n_sets`` of them, None: every layer), each tiled over B rows
+    (float32)."""
     from siftattention.capture import CapturedAttention
 
     cap = CapturedAttention.load(path)
     sets = []
-    for i in range(n_sets):
+    for i in range(len(cap.layers) if n_sets is None else n_sets):
         q, k, v = cap.step(cap.layers[i % len(cap.layers)])
         sets.append(tuple(t[:1].float().expand(B, *t.shape[1:]).contiguous() for t in (q, k, v)))
     return sets, dict(model=cap.model, layers=cap.layers, positions=cap.positions, scaling=cap.scaling,
@@ -97,7 +99,8 @@ def kept_off(q, k, v, keys, eta, scale, kept) -> int:
 
 
 def timed(calls: dict, repeats: int) -> dict:
-    """Median seconds per call of each entry (each a list of zero-argument calls, one per set), rounds rotated."""
+    """Seconds per call of each entry (each a list of zero-argument calls, one per set) in every round, the
+    order rotated from round to round."""
     names = list(calls)
     times = {name: [] for name in names}
     for name in names:  # warm: first-touch of outputs, the kernel's thread pool
@@ -109,7 +112,13 @@ def timed(calls: dict, repeats: int) -> dict:
             for fn in calls[name]:
                 fn()
             times[name].append((time.perf_counter() - t0) / len(calls[name]))
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    return times
+
+
+def paired(times: dict, name: str, base: str) -> float:
+    """The median over rounds of ``name``'s time over ``base``'s in the same round (a load that comes and goes
+    between rounds cancels)."""
+    return statistics.median(a / b for a, b in zip(times[name], times[base]))
 
 
 def run_setting(sets: list[tuple], scale: float, sparsities: list[float], prompt: float, repeats: int) -> list[dict]:
@@ -134,7 +143,8 @@ def run_setting(sets: list[tuple], scale: float, sparsities: list[float], prompt
                           for (q, k, v), e in zip(sets, etas)]
         calls["dense"] = [lambda q=q, k=k, v=v: cpu_decode.dense_decode_cpu(q, k, v, scale, None) for q, k, v in sets]
         calls["sdpa"] = [lambda q=q, k=k, v=v: dense_decode_torch(q, k, v, scale, None) for q, k, v in sets]
-        t = timed(calls, repeats)
+        rounds = timed(calls, repeats)
+        t = {name: statistics.median(ts) for name, ts in rounds.items()}
         union = sum(unions) / len(unions)
         key_rows = B * Hkv * S
         dense_bytes = 2 * key_rows * D * 4
@@ -146,11 +156,12 @@ def run_setting(sets: list[tuple], scale: float, sparsities: list[float], prompt
             nb = keybound_bytes(B, Hkv, S, D, 4, cand[form] * key_rows, union * key_rows, per_channel=form == "channel")
             row.update({f"candidates_{form}": cand[form], f"bytes_vs_dense_{form}": nb["vs_dense"],
                         f"bytes_vs_exact_{form}": nb["total"] / exact_bytes, f"kept_heads_off_{form}": off[form],
-                        f"keybound_{form}_vs_exact": t[f"keybound_{form}"] / t["exact"],
-                        f"keybound_{form}_vs_dense": t[f"keybound_{form}"] / t["dense"]})
-        row["exact_vs_dense"] = t["exact"] / t["dense"]
+                        f"keybound_{form}_vs_exact": paired(rounds, f"keybound_{form}", "exact"),
+                        f"keybound_{form}_vs_dense": paired(rounds, f"keybound_{form}", "dense")})
+        row["exact_vs_dense"] = paired(rounds, "exact", "dense")
         rows.append(row)
         print(f"B={B} S={S} s={sp}: " + ", ".join(f"{n} {row[n + '_ms']:.3f} ms" for n in calls)
+              + f"; vs exact: row {row['keybound_row_vs_exact']:.3f}, channel {row['keybound_channel_vs_exact']:.3f}"
               + f"; candidates row {cand['row']:.3f} channel {cand['channel']:.3f}, V rows kept {union:.3f}; bytes vs dense:"
               f" exact {row['exact_bytes_vs_dense']:.3f}, row {row['bytes_vs_dense_row']:.3f}, channel"
               f" {row['bytes_vs_dense_channel']:.3f}; heads off {off['row']}/{off['channel']}", flush=True)
@@ -182,10 +193,8 @@ def main() -> None:
     rows = []
     for B in args.batch:
         for S in ([None] if args.captured else args.seq):
-            if args.captured:
-                probe, _ = captured_sets(args.captured, 1, B)
-                n_sets = max(2, math.ceil(2 * LAST_LEVEL_CACHE / sum(t.nbytes for t in probe[0])))
-                sets, meta["captured"] = captured_sets(args.captured, n_sets, B)
+            if args.captured:  # every captured layer, whatever B, so that the rows of a table compare
+                sets, meta["captured"] = captured_sets(args.captured, None, B)
                 scale = meta["captured"]["scaling"]
             else:
                 n_sets = max(2, math.ceil(2 * LAST_LEVEL_CACHE / (2 * B * Hkv * S * args.head_dim * 4)))
