@@ -36,7 +36,7 @@ from .keybound import _LN2, MARGIN, OFFSET_ROUNDING, SLACK2, Int8Keys
 
 SOURCE_DIR = Path(__file__).with_name("cpu")
 SOURCES = [SOURCE_DIR / "sift_decode.cpp", SOURCE_DIR / "keybound_decode.cpp"]
-HEADERS = [SOURCE_DIR / "common.h"]
+HEADERS = [SOURCE_DIR / "common.h", SOURCE_DIR / "dots.h"]
 # -fno-trapping-math lets the exp and threshold loops vectorise (no NaN or rounding change);
 # -march=native: the cache directory is per machine.
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-trapping-math"]

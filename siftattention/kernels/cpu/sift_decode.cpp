@@ -1,7 +1,8 @@
 // Fused SiftAttention decode step for the CPU (float32).
 //
-// The scores of the valid key range come from one batched matrix product (BLAS reads
-// each key row once). Then one task per (batch row, KV head): each query head's softmax
+// One task per (batch row, KV head): the scores of its valid keys (dots.h: each key row read
+// once for every head of the group; one BLAS product where the key rows are not contiguous or
+// the vector kernel does not apply), each query head's softmax
 // maximum and normaliser (a vectorised exp), the threshold turned into kept weights,
 // and one pass over the value rows that some head of the group keeps, so value rows
 // no head keeps are never read. The torch backend instead runs separate passes over
@@ -25,6 +26,7 @@
 #include <ATen/Parallel.h>
 
 #include "common.h"
+#include "dots.h"
 
 #include <algorithm>
 #include <cmath>
@@ -122,9 +124,15 @@ std::vector<torch::Tensor> decode_cpu(torch::Tensor q, torch::Tensor k, torch::T
   }
   if (hi_all <= lo_all) return {out, kept, theta};
   const int64_t W = hi_all - lo_all;
-  auto scores = at::matmul(q.view({B, Hkv, G, D}), k.narrow(2, lo_all, W).transpose(-1, -2)).contiguous();
+  // [B, Hkv, G, W]: each task fills its own rows (own_dots), or BLAS all of them here.
+  const bool own_dots = kVectorDots && D % 8 == 0 && k.stride(3) == 1;
+  auto scores = own_dots ? torch::empty({B, Hkv, G, W}, q.options())
+                         : at::matmul(q.view({B, Hkv, G, D}), k.narrow(2, lo_all, W).transpose(-1, -2)).contiguous();
 
-  const float* sp = scores.data_ptr<float>();
+  float* sp = scores.data_ptr<float>();
+  const float* qp = q.data_ptr<float>();
+  const float* kf = k.data_ptr<float>();
+  const int64_t ks0 = k.stride(0), ks1 = k.stride(1), ks2 = k.stride(2);
   const float* vp = v.data_ptr<float>();
   const float* ep = sparse ? eta.data_ptr<float>() : nullptr;
   float* gp = mode == ANCHORED ? gap.data_ptr<float>() : nullptr;
@@ -153,7 +161,8 @@ std::vector<torch::Tensor> decode_cpu(torch::Tensor q, torch::Tensor k, torch::T
         list.resize(L);
       }
       const int64_t head0 = b * Hq + h * G;
-      const float* s0 = sp + task * G * W + (lo - lo_all);  // unscaled scores of head g: s0 + g * W
+      float* s0 = sp + task * G * W + (lo - lo_all);  // unscaled scores of head g: s0 + g * W
+      if (own_dots) group_dots(qp + head0 * D, G, D, kf + b * ks0 + h * ks1 + lo * ks2, ks2, nullptr, L, s0, W);
       for (int64_t g = 0; g < G; ++g) {
         const float* srow = s0 + g * W;
         float* eg = e.data() + g * L;
