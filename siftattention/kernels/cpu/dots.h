@@ -69,16 +69,17 @@ inline void dot_tile(const float* q, int64_t D, const T* const* rows, float* out
 }
 #endif
 
-// out[g * ld + i] = q_g . row_i for GT heads and the key rows base + (idx ? idx[i] : i) * stride, i < n.
+// out[g * ld + i] = q_g . row_i for GT heads and the key rows base + (idx ? idx[i] : i) * stride, i < n;
+// with idx, the rows up to idx[listed - 1] are asked for ahead (past this block too).
 template <int GT, typename T>
 void dot_rows(const float* q, int64_t D, const T* base, int64_t stride, const int64_t* idx, int64_t n, float* out,
-              int64_t ld) {
+              int64_t ld, int64_t listed) {
   auto row = [&](int64_t i) { return base + (idx ? idx[i] : i) * stride; };
 #ifdef SIFT_CPU_AVX2
   if (D % 8 == 0) {
     int64_t i = 0;
     for (; i + 2 <= n; i += 2) {
-      if (idx && i + kGatherAhead + 1 < n) {  // scattered rows
+      if (idx && i + kGatherAhead + 1 < listed) {  // scattered rows
         prefetch_row(row(i + kGatherAhead), D);
         prefetch_row(row(i + kGatherAhead + 1), D);
       }
@@ -119,12 +120,12 @@ void group_dots(const float* q, int64_t G, int64_t D, const T* base, int64_t str
       const float* qt = q + g0 * D;
       float* o = out + g0 * ld + i0;
       switch (gt) {
-        case 1: dot_rows<1>(qt, D, blk, stride, bidx, m, o, ld); break;
-        case 2: dot_rows<2>(qt, D, blk, stride, bidx, m, o, ld); break;
-        case 3: dot_rows<3>(qt, D, blk, stride, bidx, m, o, ld); break;
-        case 4: dot_rows<4>(qt, D, blk, stride, bidx, m, o, ld); break;
-        case 5: dot_rows<5>(qt, D, blk, stride, bidx, m, o, ld); break;
-        default: dot_rows<6>(qt, D, blk, stride, bidx, m, o, ld); break;
+        case 1: dot_rows<1>(qt, D, blk, stride, bidx, m, o, ld, n - i0); break;
+        case 2: dot_rows<2>(qt, D, blk, stride, bidx, m, o, ld, n - i0); break;
+        case 3: dot_rows<3>(qt, D, blk, stride, bidx, m, o, ld, n - i0); break;
+        case 4: dot_rows<4>(qt, D, blk, stride, bidx, m, o, ld, n - i0); break;
+        case 5: dot_rows<5>(qt, D, blk, stride, bidx, m, o, ld, n - i0); break;
+        default: dot_rows<6>(qt, D, blk, stride, bidx, m, o, ld, n - i0); break;
       }
       g0 += gt;
     }
