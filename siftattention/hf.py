@@ -610,12 +610,21 @@ def apply(model: PreTrainedModel, method: Method, *, decode_backend: str | None 
 
     ``apply`` only installs: a method that needs work on data first (Top-theta's calibration)
     is refused with a one-line ``CalibrationError`` until ``method.prepare(model)`` (or
-    ``TopTheta.calibrate``) has run.
+    ``TopTheta.calibrate``) has run. ``Sift(keybound=...)`` is refused with a one-line
+    ``ValueError``: its int8 key copy lives in the fast loop's cache (``siftattention.generate``).
 
     >>> with apply(model, Sift(tau=0.875, warmup=128)) as handle:
     ...     out = model.generate(**inputs, max_new_tokens=256)
     ...     print(handle.stats.realized_sparsity())
     """
+    if getattr(method, "needs_key_copy", False):
+        raise ValueError(f"{method.spec()} reads an int8 copy of the keys that only the fast loop's cache keeps: decode "
+                         "with siftattention.generate(...), or drop keybound under apply")
+    return install(model, method, decode_backend)
+
+
+def install(model: PreTrainedModel, method: Method, decode_backend: str | None = "auto") -> SiftHandle:
+    """``apply`` without its refusal of a method that reads the fast loop's key copy: the fast loop's own entry."""
     if not isinstance(method, Method):
         raise TypeError(f"method must be a siftattention method (Full, TopK, H2O, Sift, Oracle, ...), got {type(method).__name__}")
     if getattr(model, _HANDLE_ATTR, None) is None:

@@ -530,45 +530,54 @@ def _biased_qwen2():
     return model
 
 
+def loop_step_check(q, k, v, keys, eta, scale, seq_lens, renormalize, starts, kept) -> tuple[dict, dict]:
+    """A fast-loop step's inputs (caches and copy longer than its valid keys) through the reference: its terms, and
+    whether it keeps the float64 rule's keys outside its epsilon (``same``) and the step's kept counts are its own."""
+    L = int(seq_lens.max())
+    sliced = type(keys)(keys.values[:, :, :L], keys.scales[:, :, :L], keys.channel, keys.offset)
+    r = keybound_step_torch(q, k[:, :, :L], v[:, :, :L], sliced, eta, scale, seq_lens, renormalize, starts)
+    valid = valid_of(q.shape[0], L, seq_lens, starts)
+    s64 = scores64(q, k[:, :, :L], scale)
+    keep64, t = ref_keep64(s64, valid, eta)
+    near = (s64 - t[..., None]).abs() <= r["epsilon"].double()[..., None] + 1e-4
+    return r, dict(same=bool(((r["keep"] != keep64) & ~near).sum() == 0), kept=torch.equal(kept, r["kept"]))
+
+
 @pytest.mark.parametrize("form", [True, "channel"])
 def test_sift_keybound_generates_through_the_fast_loop(monkeypatch, form):
     """Sift(keybound=...) decodes left-padded rows (the prompt in chunks) with the key-bound step over the
     loop's int8 copy, which equals a fresh quantisation of every written key (per channel: with the ranges
     of each row's valid prompt keys); every step keeps the float64 rule's keys except those within its
-    epsilon of the threshold, and the tokens are the exact step's."""
+    epsilon of the threshold, and the tokens are the exact step's. Where the fused CPU kernel builds, every
+    step runs its C++ key-bound step, with the reference's kept counts and candidates."""
     from test_generation import _left_padded_batch
 
     from siftattention import Sift
     from siftattention.generation import generate, loop
-    from siftattention.kernels import DecodeKernels
+    from siftattention.kernels import DecodeKernels, cpu_decode
 
     model = _biased_qwen2()
     ids, mask = _left_padded_batch()
-    caches, steps = [], []
-    real_cache, real_step = loop.FixedCache, DecodeKernels.sparse_keybound
+    caches, steps, fused = [], [], []
+    real_cache, real_step, real_cpu = loop.FixedCache, DecodeKernels.sparse_keybound, cpu_decode.keybound_decode_cpu
 
     def checked_step(self, q, k, v, keys, eta, seq_lens, starts=None):
         out, kept = real_step(self, q, k, v, keys, eta, seq_lens, starts)
-        eta = eta.eta() if hasattr(eta, "eta") else eta
-        L = int(seq_lens.max())
-        sliced = type(keys)(keys.values[:, :, :L], keys.scales[:, :, :L], keys.channel, keys.offset)
-        r = keybound_step_torch(q, k[:, :, :L], v[:, :, :L], sliced, eta, self.scale, seq_lens, False, starts)
-        valid = valid_of(q.shape[0], L, seq_lens, starts)
-        s64 = scores64(q, k[:, :, :L], self.scale)
-        keep64, t = ref_keep64(s64, valid, eta)
-        near = (s64 - t[..., None]).abs() <= r["epsilon"].double()[..., None] + 1e-4
-        steps.append(dict(same=bool(((r["keep"] != keep64) & ~near).sum() == 0), kept=torch.equal(kept, r["kept"]),
-                          cand=float(r["candidates"].sum()) / float(valid.sum() * k.shape[1])))
+        r, record = loop_step_check(q, k, v, keys, eta.eta() if hasattr(eta, "eta") else eta, self.scale, seq_lens,
+                                    False, starts, kept)
+        steps.append(dict(record, cand=torch.equal(self.keybound_candidates(), r["candidates"].sum(-1, dtype=torch.int32))))
         return out, kept
 
     monkeypatch.setattr(loop, "FixedCache", lambda *a, **kw: caches.append(real_cache(*a, **kw)) or caches[-1])
     monkeypatch.setattr(DecodeKernels, "sparse_keybound", checked_step)
+    monkeypatch.setattr(cpu_decode, "keybound_decode_cpu", lambda *a, **kw: fused.append(1) or real_cpu(*a, **kw))
     kw = dict(max_new_tokens=10, eos_token_id=-1, pad_token_id=0, prefill_chunk=5)
     method = dict(tau=0.5, warmup=4, warmup_source="decode")
     res = generate(model, ids, mask, Sift(keybound=form, **method), **kw)
     exact = generate(model, ids, mask, Sift(**method), **kw)
     assert res.fast and torch.equal(res.sequences, exact.sequences)
-    assert len(steps) == 2 * 5 and all(s["same"] and s["kept"] for s in steps), steps
+    assert len(steps) == 2 * 5 and all(s["same"] and s["kept"] and s["cand"] for s in steps), steps
+    assert len(fused) == (len(steps) if cpu_decode.available() else 0)
     assert res.timings["key_copy_bytes"] == caches[0].key_copy_bytes() > 0 and "key_copy_bytes" not in exact.timings
     written = 13 + 9  # the prompt, then every decode step's token
     starts = 13 - mask.sum(1)
@@ -609,6 +618,29 @@ def test_cuda_sift_keybound_fast_loop_captures(monkeypatch, form):
         fresh = quantize_keys(k, prompt_ranges(k, starts, 13) if form == "channel" else None)
         assert torch.equal(layer.key_copy.values[:, :, :written], fresh.values)
         assert torch.equal(layer.key_copy.scales[:, :, :written], fresh.scales)
+
+
+@pytest.mark.parametrize("form", ["row", "channel"])
+def test_keybound_is_refused_outside_the_fast_loop(monkeypatch, form):
+    """transformers' cache keeps no int8 key copy: ``apply`` refuses Sift(keybound=...) with one line naming the fast
+    loop and leaves the model as it was; ``generate`` refuses it where it would fall back to ``apply``."""
+    from test_generation import _left_padded_batch
+
+    from siftattention import Sift, apply
+    from siftattention.generation import generate, loop
+
+    model = _biased_qwen2()
+    implementation = model.config._attn_implementation
+    with pytest.raises(ValueError, match=r"keybound=" + form + r" reads an int8 copy of the keys that only the fast "
+                       r"loop's cache keeps: decode with siftattention.generate\(...\)") as err:
+        apply(model, Sift(keybound=form))
+    assert "\n" not in str(err.value) and model.config._attn_implementation == implementation
+    with apply(model, Sift()):  # nothing was left installed
+        pass
+    ids, mask = _left_padded_batch()
+    monkeypatch.setattr(loop, "fast_path_problem", lambda model, method: "a reason")
+    with pytest.raises(ValueError, match="needs the fast loop's cache .its int8 key copy., which cannot serve here: a reason"):
+        generate(model, ids, mask, Sift(keybound=form), max_new_tokens=2)
 
 
 def test_sift_keybound_option_values():

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from ..attention import StepLog
-from ..hf import SiftHandle, SiftStats, apply
+from ..hf import SiftHandle, SiftStats, apply, install
 from ..inputs import check_sampling, check_token_id, check_token_inputs
 from ..methods import Full
 from ..methods.base import KeyRange, Method, check_int
@@ -357,6 +357,8 @@ def generate(
     prefill_chunk = None if prefill_chunk is None else check_int("prefill_chunk", prefill_chunk, 1)
     check_every = check_int("check_every", check_every, 1)
     problem = fast_path_problem(model, method)
+    if problem is not None and method.needs_key_copy:
+        raise ValueError(f"{method.spec()} needs the fast loop's cache (its int8 key copy), which cannot serve here: {problem}")
     if problem is not None:
         warnings.warn(f"siftattention.generate: using transformers' generate ({problem})", FallbackWarning, stacklevel=2)
         return reference_generate(model, input_ids, mask, method, max_new_tokens=max_new_tokens, do_sample=do_sample,
@@ -367,7 +369,7 @@ def generate(
     use_graphs = input_ids.is_cuda if cuda_graphs is None else bool(cuda_graphs)
     if use_graphs and not input_ids.is_cuda:
         raise ValueError("cuda_graphs=True needs the inputs on a CUDA device")
-    handle = apply(model, method, decode_backend=decode_backend)
+    handle = install(model, method, decode_backend)
     try:
         handle.reset()
         loop = _Loop(model, handle, input_ids, mask, max_new_tokens, sampler, _eos_tensor(eos_token_id, input_ids.device), pad_token_id, use_graphs, output_scores, compile)

@@ -1,11 +1,13 @@
-"""The fused CPU decode kernel (backend="cpu"): built once from ``cpu/sift_decode.cpp``.
+"""The fused CPU decode kernel (backend="cpu"): built once from the sources in ``cpu/``.
 
 On the CPU the torch backend's separate passes over ``[B, Hq, S]`` tensors, and its
 dense product with every value row, cost more than one fused pass; this C++ kernel
 takes the scores from one BLAS product, then does the softmax statistics, the
 threshold and the weighted sum over the value rows some head of the group keeps in
 one pass per (batch row, KV head). With every key kept it is exact attention, the
-dense step of the CPU fast path.
+dense step of the CPU fast path. ``cpu/keybound_decode.cpp`` is the key-bound step
+(``keybound``): the int8 key copy scanned, full keys read for the candidates only, in one
+task per (batch row, KV head).
 
 The extension is compiled with the machine's C++ compiler the first time it is needed
 (about 30 s, a one-line notice) into ``$SIFTATTENTION_CACHE`` (default
@@ -30,8 +32,11 @@ from types import ModuleType
 import torch
 
 from ..paths import cache_root
+from .keybound import _LN2, MARGIN, OFFSET_ROUNDING, SLACK2, Int8Keys
 
-SOURCE = Path(__file__).with_name("cpu") / "sift_decode.cpp"
+SOURCE_DIR = Path(__file__).with_name("cpu")
+SOURCES = [SOURCE_DIR / "sift_decode.cpp", SOURCE_DIR / "keybound_decode.cpp"]
+HEADERS = [SOURCE_DIR / "common.h", SOURCE_DIR / "dots.h"]
 # -fno-trapping-math lets the exp and threshold loops vectorise (no NaN or rounding change);
 # -march=native: the cache directory is per machine.
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-trapping-math"]
@@ -67,7 +72,8 @@ def build_name() -> str:
     its own; sharing one, torch's loader would rebuild silently whenever another used it.
     """
     environment = f"{torch.__version__} {Path(torch.__file__).parent} {sys.version}".encode()
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode() + environment + _cpu_signature()).hexdigest()[:12]
+    code = b"".join(path.read_bytes() for path in SOURCES + HEADERS)
+    key = hashlib.sha256(code + " ".join(CFLAGS).encode() + environment + _cpu_signature()).hexdigest()[:12]
     return f"siftattention_cpu_{key}"
 
 
@@ -94,7 +100,7 @@ def load() -> ModuleType | None:
                 print("siftattention: building the fused CPU decode kernel (once, about 30 s)", file=sys.stderr, flush=True)
             from torch.utils.cpp_extension import load as load_extension
 
-            _module = load_extension(name=name, sources=[str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
+            _module = load_extension(name=name, sources=[str(path) for path in SOURCES], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
                                      build_directory=str(build_dir), verbose=False)
         except Exception as exc:  # an unwritable cache, a compiler or linker failure: fall back, say why once
             lines = str(exc).strip().splitlines() or [""]
@@ -176,3 +182,22 @@ def warmup_decode_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     out, _, theta = _run(_WARMUP, q, k_cache, v_cache, _NO_ETA, tau.to(torch.float64).contiguous(), scale, seq_lens,
                          starts, False, shared=shared)
     return out, theta
+
+
+
+def keybound_decode_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, keys: Int8Keys, eta: torch.Tensor,
+                        scale: float, seq_lens: torch.Tensor | None, renormalize: bool,
+                        starts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The key-bound Sift step (semantics of ``keybound.sift_keybound_decode_torch``): out [B, Hq, D] float32,
+    kept [B, Hq] int32 and the key rows read in full per (batch row, KV head), [B, Hkv] int32.
+
+    ``keys``: the int8 copy of ``k_cache`` (values [B, Hkv, >= L, D], scales [B, Hkv, >= L]; per channel,
+    channel scales and offsets [B, Hkv, D]); only positions below ``k_cache``'s length are read.
+    """
+    values, scales, channel, offset = keys
+    rows = [t if t is None or t.stride(-1) == 1 else t.contiguous() for t in (k_cache, v_cache, values, scales, channel, offset)]
+    k_rows, v_rows, values, scales, channel, offset = rows
+    return tuple(load().keybound(q.contiguous(), k_rows, v_rows, values, scales, _NO_ETA if channel is None else channel,
+                                 _NO_ETA if offset is None else offset, eta.float().contiguous(), float(scale),
+                                 0.5 * scale * (1 + MARGIN), OFFSET_ROUNDING, SLACK2 * _LN2, _index(seq_lens),
+                                 _index(starts), bool(renormalize)))

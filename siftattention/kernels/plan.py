@@ -192,8 +192,9 @@ class DecodeKernels:
         ``keys``: the int8 copy of ``k_cache`` (``keybound.quantize_keys``), values [B, Hkv, >= L, D] int8,
         scales [B, Hkv, >= L] float32 and, per channel, channel scales and offsets [B, Hkv, D] float32 (or
         None). Its shapes are checked on every call (metadata only, no sync); the Triton buffers are
-        allocated on the first (eager) call. ``keybound_candidates()`` then gives the key
-        rows it read in full.
+        allocated on the first (eager) call. The "cpu" backend runs the fused C++ step
+        (``cpu/keybound_decode.cpp``), the torch backend the reference. ``keybound_candidates()`` then
+        gives the key rows it read in full.
         """
         check_int8_keys(keys, k_cache, self.head_dim)
         if self.backend == "triton":
@@ -207,6 +208,10 @@ class DecodeKernels:
                                 starts, self.renormalize, self.config)
         if isinstance(eta, PowerLawThreshold):
             eta = eta.eta()
+        if self.backend == "cpu":
+            out, kept, self._candidates = self._cpu.keybound_decode_cpu(q, k_cache, v_cache, keys, eta, self.scale,
+                                                                        seq_lens, self.renormalize, starts)
+            return out, kept
         L = k_cache.shape[2]
         keys = Int8Keys(keys.values[:, :, :L], keys.scales[:, :, :L], keys.channel, keys.offset)
         out, kept, self._candidates = sift_keybound_decode_torch(q, k_cache, v_cache, keys, eta, self.scale, seq_lens,

@@ -317,6 +317,11 @@ class Method:
     def check_prepared(self, model: Any) -> None:
         """Raise a one-line error naming the call to make if ``apply(model, self)`` lacks what ``prepare`` gives."""
 
+    @property
+    def needs_key_copy(self) -> bool:
+        """Whether the decode step reads an int8 copy of the keys, which only the fast loop's cache keeps."""
+        return False
+
     def decode_phase(self, step: int) -> str | None:
         """What decode step ``step`` (0 = the first decoded token) does, or None without a decode step.
 

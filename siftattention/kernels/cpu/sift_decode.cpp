@@ -1,7 +1,8 @@
 // Fused SiftAttention decode step for the CPU (float32).
 //
-// The scores of the valid key range come from one batched matrix product (BLAS reads
-// each key row once). Then one task per (batch row, KV head): each query head's softmax
+// One task per (batch row, KV head): the scores of its valid keys (dots.h: each key row read
+// once for every head of the group; one BLAS product where the key rows are not contiguous or
+// the vector kernel does not apply), each query head's softmax
 // maximum and normaliser (a vectorised exp), the threshold turned into kept weights,
 // and one pass over the value rows that some head of the group keeps, so value rows
 // no head keeps are never read. The torch backend instead runs separate passes over
@@ -26,8 +27,10 @@
 // The quantile is torch.quantile's linear rule at position tau * (n - 1), ascending.
 // A row without a valid key (start == seq_len) gives zeros: output, kept count, quantile and gap.
 
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
+
+#include "common.h"
+#include "dots.h"
 
 #include <algorithm>
 #include <cmath>
@@ -38,67 +41,9 @@
 
 namespace {
 
+using namespace sift_cpu;
+
 enum Mode : int64_t { SPARSE = 0, DENSE = 1, WARMUP = 2, ANCHORED = 3 };
-
-// exp(x) for x <= 0 (Cephes' expf polynomial, about 1 ulp), written branch-free on plain
-// floats so that the loops calling it vectorise; below -87.3 it returns 0.
-inline float exp_nonpos(float x) {
-  const float lo = -87.33654f;
-  const float xc = x < lo ? lo : x;
-  const float n = std::floor(xc * 1.44269504088896341f + 0.5f);
-  float r = xc - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  float y = 1.9875691500e-4f;
-  y = y * r + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
-  y = y * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float pow2;
-  std::memcpy(&pow2, &bits, sizeof(pow2));
-  return x < lo ? 0.0f : y * pow2;
-}
-
-// The maximum does not depend on the order, so OpenMP SIMD may reorder it.
-inline float row_max(const float* x, int64_t n) {
-  float m = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : m)
-  for (int64_t j = 0; j < n; ++j) m = x[j] > m ? x[j] : m;
-  return m;
-}
-
-// y[j] = exp(scale * (x[j] - xmax)); returns their sum in a fixed association (16 lanes,
-// then a fixed tree), so the same values always give the same bits. Shifting before scaling
-// makes y exactly 1 at the maximum: with scale * x[j] - scale * xmax the compiler may fuse a
-// multiply-add whose unrounded product leaves a residue there (p_max = 1 / z no longer holds).
-inline float exp_shift_sum(const float* x, float* y, int64_t n, float scale, float xmax) {
-#pragma omp simd
-  for (int64_t j = 0; j < n; ++j) y[j] = exp_nonpos(scale * (x[j] - xmax));
-  float acc[16] = {0};
-  int64_t j = 0;
-  for (; j + 16 <= n; j += 16) {
-    for (int i = 0; i < 16; ++i) acc[i] += y[j + i];
-  }
-  for (int w = 8; w >= 1; w /= 2) {
-    for (int i = 0; i < w; ++i) acc[i] += acc[i + w];
-  }
-  float z = acc[0];
-  for (; j < n; ++j) z += y[j];
-  return z;
-}
-
-inline int64_t first_scaled_equal(const float* x, int64_t n, float scale, float value) {
-  for (int64_t j = 0; j < n; ++j) {
-    if (scale * x[j] == value) return j;
-  }
-  return 0;
-}
-
-inline void axpy(float* __restrict y, float w, const float* __restrict x, int64_t n) {
-  for (int64_t d = 0; d < n; ++d) y[d] += w * x[d];
-}
 
 // Sum of e over the anchors of a row of n keys: [0, first) and [max(first, n - last), n).
 inline float anchor_sum(const float* e, int64_t n, int64_t first, int64_t last) {
@@ -185,9 +130,15 @@ std::vector<torch::Tensor> decode_cpu(torch::Tensor q, torch::Tensor k, torch::T
   }
   if (hi_all <= lo_all) return {out, kept, theta};
   const int64_t W = hi_all - lo_all;
-  auto scores = at::matmul(q.view({B, Hkv, G, D}), k.narrow(2, lo_all, W).transpose(-1, -2)).contiguous();
+  // [B, Hkv, G, W]: each task fills its own rows (own_dots), or BLAS all of them here.
+  const bool own_dots = kVectorDots && D % 8 == 0 && k.stride(3) == 1;
+  auto scores = own_dots ? torch::empty({B, Hkv, G, W}, q.options())
+                         : at::matmul(q.view({B, Hkv, G, D}), k.narrow(2, lo_all, W).transpose(-1, -2)).contiguous();
 
-  const float* sp = scores.data_ptr<float>();
+  float* sp = scores.data_ptr<float>();
+  const float* qp = q.data_ptr<float>();
+  const float* kf = k.data_ptr<float>();
+  const int64_t ks0 = k.stride(0), ks1 = k.stride(1), ks2 = k.stride(2);
   const float* vp = v.data_ptr<float>();
   const float* ep = sparse ? eta.data_ptr<float>() : nullptr;
   float* gp = mode == ANCHORED ? gap.data_ptr<float>() : nullptr;
@@ -217,7 +168,8 @@ std::vector<torch::Tensor> decode_cpu(torch::Tensor q, torch::Tensor k, torch::T
         list.resize(L);
       }
       const int64_t head0 = b * Hq + h * G;
-      const float* s0 = sp + task * G * W + (lo - lo_all);  // unscaled scores of head g: s0 + g * W
+      float* s0 = sp + task * G * W + (lo - lo_all);  // unscaled scores of head g: s0 + g * W
+      if (own_dots) group_dots(qp + head0 * D, G, D, kf + b * ks0 + h * ks1 + lo * ks2, ks2, nullptr, L, s0, W);
       for (int64_t g = 0; g < G; ++g) {
         const float* srow = s0 + g * W;
         float* eg = e.data() + g * L;
@@ -282,12 +234,7 @@ std::vector<torch::Tensor> decode_cpu(torch::Tensor q, torch::Tensor k, torch::T
         // eta is NaN), keep the first maximum by index, as torch's argmax picks it.
         if (!(iz > t)) {
           const int64_t a = first_scaled_equal(s0 + g * W, L, sc, max_scaled[g]);
-          if (!shared || !(top[a] > t)) {  // shared: the group's set may hold it already
-            eg[a] = iz;
-            c += 1;
-            m += iz;
-            rows[a] = 1;
-          }
+          if (!shared || !(top[a] > t)) keep_maximum(eg, rows.data(), a, iz, c, m);  // shared: the group's set may hold it
         }
         kp[head0 + g] = c;
         mass[g] = m;
@@ -300,7 +247,7 @@ std::vector<torch::Tensor> decode_cpu(torch::Tensor q, torch::Tensor k, torch::T
       const float* vb = vp + b * vs0 + h * vs1;
       float* og = op + head0 * D;
       for (int64_t i = 0; i < n; ++i) {
-        if (i + 4 < n) __builtin_prefetch(vb + (lo + list[i + 4]) * vs2);
+        if (i + kGatherAhead < n) prefetch_row(vb + (lo + list[i + kGatherAhead]) * vs2, D);
         const int64_t j = list[i];
         const float* vrow = vb + (lo + j) * vs2;
         for (int64_t g = 0; g < G; ++g) {
@@ -331,4 +278,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Fused decode step on the CPU, float32: mode 0 Sift (threshold eta), 1 exact, 2 exact and tau-quantile, "
         "3 Sift with the anchored normaliser (log eta, gap in place, anchor counts); value_sum: value-mean "
         "compensation of modes 0 and 3; shared: one kept set per KV group (modes 0 and 2)");
+  m.def("keybound", &keybound_cpu,
+        "Key-bound Sift step on the CPU (keybound_decode.cpp): bounds from the int8 key copy, full float32 keys "
+        "of the candidates only; returns out, kept and the candidate rows per (batch row, KV head)");
 }
