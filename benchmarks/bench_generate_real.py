@@ -52,6 +52,8 @@ METHODS = {
     # The key-bound step (an int8 key copy: a scale per row, or per-channel ranges fixed by the prompt).
     **{name: (lambda a, form=form: Sift(tau=a.tau, warmup=a.warmup, keybound=form)) for form, name in KEYBOUND_ROWS.items()},
     "sift_095": lambda a: Sift(tau=0.95, warmup=a.warmup),
+    # One kept set per KV group (V rows read follow one head's share, not the group's union), with compensation.
+    "sift_shared": lambda a: Sift(tau=a.tau, warmup=a.warmup, gqa="shared", vmc=True),
     "topk": lambda a: TopK(k=1 - a.tau),
 }
 
