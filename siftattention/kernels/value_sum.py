@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from .plan import interpreting, triton_available
+from .plan import resolve_backend, triton_available
 
 
 def rows_at(v_cache: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -36,15 +36,13 @@ def add_step_value_rows(value_sum: torch.Tensor, value_start: torch.Tensor, v_ca
     kernel adds and subtracts in the torch form's order, in float32."""
     if backend not in ("auto", "torch", "triton"):
         raise ValueError(f"unknown backend {backend!r}; expected 'auto', 'torch' or 'triton'")
-    use_triton = backend == "triton" or (backend == "auto" and v_cache.is_cuda and triton_available())
-    if backend == "triton" and not (triton_available() and (v_cache.is_cuda or interpreting())):
-        raise ValueError("backend='triton' needs the triton package and a CUDA device (or TRITON_INTERPRET=1)")
-    if not use_triton:
+    if backend == "triton":
+        resolve_backend(backend, v_cache.device)  # the one-line refusal where Triton cannot run
+    if backend == "triton" or (backend == "auto" and v_cache.is_cuda and triton_available()):
+        from .triton_value_sum import add_step_value_rows_triton
+
+        add_step_value_rows_triton(value_sum, value_start, v_cache, seq_lens, starts)
+    else:
         add_step_value_rows_torch(value_sum, value_start, v_cache, seq_lens, starts)
-        return
-    from .triton_value_sum import add_step_value_rows_triton
-
-    add_step_value_rows_triton(value_sum, value_start, v_cache, seq_lens, starts)
-
 
 __all__ = ["add_step_value_rows", "add_step_value_rows_torch", "rows_at"]

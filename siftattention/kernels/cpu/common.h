@@ -97,6 +97,25 @@ inline void axpy(float* __restrict y, float w, const float* __restrict x, int64_
   for (int64_t d = 0; d < n; ++d) y[d] += w * x[d];
 }
 
+// The positions j < n whose flag is 1 (flags are 0 or 1), ascending, into list, branch-free; returns their count.
+template <typename Flag>
+inline int64_t compact_flagged(const Flag* flags, int64_t* list, int64_t n) {
+  int64_t count = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    list[count] = j;
+    count += flags[j];
+  }
+  return count;
+}
+
+// Each of the G output rows of D values divided by its kept mass (renormalisation).
+inline void divide_by_mass(float* out, const float* mass, int64_t G, int64_t D) {
+  for (int64_t g = 0; g < G; ++g) {
+    const float r = 1.f / mass[g];
+    for (int64_t d = 0; d < D; ++d) out[g * D + d] *= r;
+  }
+}
+
 }  // namespace sift_cpu
 
 // The key-bound step (keybound_decode.cpp); registered with the module in sift_decode.cpp.

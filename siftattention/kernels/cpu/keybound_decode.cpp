@@ -181,11 +181,7 @@ std::vector<torch::Tensor> keybound_cpu(torch::Tensor q, torch::Tensor k, torch:
         }
       }
       if (static_cast<int64_t>(list.size()) < L) list.resize(L);
-      int64_t n = 0;
-      for (int64_t j = 0; j < L; ++j) {
-        list[n] = j;
-        n += mark[j];
-      }
+      const int64_t n = compact_flagged(mark.data(), list.data(), L);
       candp[task] = static_cast<int32_t>(n);
       if (n == 0) continue;  // only where the bounds are not finite
       for (int64_t g = 0; g < G; ++g) {
@@ -247,12 +243,7 @@ std::vector<torch::Tensor> keybound_cpu(torch::Tensor q, torch::Tensor k, torch:
           if (wt != 0.f) axpy(og + g * D, wt, vrow, D);
         }
       }
-      if (renormalize) {
-        for (int64_t g = 0; g < G; ++g) {
-          const float r = 1.f / mass[g];
-          for (int64_t d = 0; d < D; ++d) og[g * D + d] *= r;
-        }
-      }
+      if (renormalize) divide_by_mass(og, mass.data(), G, D);
     }
   });
   return {out, kept, cand};

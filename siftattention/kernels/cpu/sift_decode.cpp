@@ -239,11 +239,7 @@ std::vector<torch::Tensor> decode_cpu(torch::Tensor q, torch::Tensor k, torch::T
         kp[head0 + g] = c;
         mass[g] = m;
       }
-      int64_t n = 0;
-      for (int64_t j = 0; j < L; ++j) {
-        list[n] = j;
-        n += rows[j];
-      }
+      const int64_t n = compact_flagged(rows.data(), list.data(), L);
       const float* vb = vp + b * vs0 + h * vs1;
       float* og = op + head0 * D;
       for (int64_t i = 0; i < n; ++i) {
@@ -255,12 +251,7 @@ std::vector<torch::Tensor> decode_cpu(torch::Tensor q, torch::Tensor k, torch::T
           if (w != 0.f) axpy(og + g * D, w, vrow, D);
         }
       }
-      if (renormalize && sparse) {
-        for (int64_t g = 0; g < G; ++g) {
-          const float r = 1.f / mass[g];
-          for (int64_t d = 0; d < D; ++d) og[g * D + d] *= r;
-        }
-      }
+      if (renormalize && sparse) divide_by_mass(og, mass.data(), G, D);
       if (compensate) {  // the pruned mass spread evenly over the L valid keys: V was read once for the sum
         const float* vsum = vsp + task * D;
         for (int64_t g = 0; g < G; ++g) {
