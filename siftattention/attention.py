@@ -83,11 +83,12 @@ class StepLog:
         return record
 
     def _approx_row(self, value: bool, like: torch.Tensor) -> torch.Tensor:
-        # Formed by the first (eager) step of a phase, so a captured step never fills it again.
-        key = (value, like.shape[0])
-        if key not in self._rows:
-            self._rows[key] = torch.full((like.shape[0],), value, dtype=torch.bool, device=like.device)
-        return self._rows[key]
+        # Both rows are formed by the loop's first (eager) step, so a phase whose first step is captured
+        # finds its row made outside the graph.
+        if (value, like.shape[0]) not in self._rows:
+            for v in (False, True):
+                self._rows[(v, like.shape[0])] = torch.full((like.shape[0],), v, dtype=torch.bool, device=like.device)
+        return self._rows[(value, like.shape[0])]
 
     def flush(self) -> None:
         layers = [layer for layer in sorted(self.records) if self.records[layer].pending is not None]
@@ -96,6 +97,7 @@ class StepLog:
         rows = [self.records[layer].pending for layer in layers]
         for layer in layers:
             self.records[layer].pending = None
+        self._approx_row(True, rows[0][0])
         steps = torch.stack([r[0].int() for r in rows])
         kept = torch.stack([r[1].int() for r in rows])  # the layers of one model share B and H
         approx = torch.stack([self._approx_row(r[2], r[0]) if isinstance(r[2], bool) else r[2].bool() for r in rows])

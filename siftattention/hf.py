@@ -183,6 +183,7 @@ class SiftHandle:
         self._range_ok: dict[int, bool] = {}  # valid keys of every row form one contiguous range
         self._causal_mask: tuple[weakref.ref, bool] | None = None  # the last prompt mask checked, and its verdict
         self._plans: dict[tuple, Any] = {}
+        self._launched: dict[int, set[str]] = {}  # id of a plan -> the phases launched ahead on it
         self._keys: dict[tuple, tuple] = {}  # this forward's decode key ranges: (mask id, keys, batch, device) -> (mask, KeyRange)
         self._keys_layer = -1  # the layer that formed or read them last
         self._ranges: dict[tuple, tuple] = {}  # this forward's prompt row ranges: (mask id, window, shape, device) -> (mask ref, ranges or None)
@@ -453,6 +454,8 @@ class SiftHandle:
         kernels, planned = self._plan(query, key, scaling)
         if planned and kernels.compiles_ahead:
             self._compile_ahead(kernels, layer, step, query, key, value, keys)
+            if self.context is not None and self.context.captures:
+                self._launch_ahead(kernels, layer, step, query, key, value, keys)
         res = self.method.decode_step(query[:, :, 0], key, value, keys, state, phase, kernels)
         if self.context is None:  # the fast loop ends steps and phases for all layers itself
             last = layer == max(self.states)
@@ -493,6 +496,25 @@ class SiftHandle:
         with kernels.compiling():
             for phase in phases:
                 self.method.decode_step(query[:, :, 0], key, value, keys, scratch, phase, kernels)
+
+    def _launch_ahead(self, kernels: Any, layer: int, step: int, query: torch.Tensor, key: torch.Tensor,
+                      value: torch.Tensor, keys: KeyRange) -> None:
+        """Run each phase compiled ahead once, for real, on a scratch state: a kernel's first launch loads its
+        module (``cuModuleLoadData``, refused while a stream is captured) and a plan makes some buffers on its
+        first call (the tau tensor, the one-pass and key-bound workspaces), so afterwards the phase's first
+        step can be captured as a CUDA graph directly (``ready_to_capture``). The plan's workspace counters
+        set themselves back, so the real step that follows sees what it would have seen."""
+        phases = self.method.phases_to_compile(step)
+        B, Hq = query.shape[:2]
+        scratch = self.method.new_state(B, Hq, query.device, layer=layer)
+        for phase in phases:
+            self.method.decode_step(query[:, :, 0], key, value, keys, scratch, phase, kernels)
+        self._launched.setdefault(id(kernels), set()).update(phases)
+
+    def ready_to_capture(self, phase: str) -> bool:
+        """Whether every decode plan has launched ``phase``'s kernels ahead (``_launch_ahead``), so the fast
+        loop may capture the phase's first step in a CUDA graph instead of running it eagerly first."""
+        return bool(self._plans) and all(phase in self._launched.get(id(plan), ()) for plan in self._plans.values())
 
     def _plan(self, query: torch.Tensor, key: torch.Tensor, scaling: float) -> tuple[Any, bool]:
         """The kernels for this shape, planned once (scratch buffers and launch plan) and reused;

@@ -72,6 +72,8 @@ class DecodeContext:
         self.windows: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         #: The cache's int8 key copy of a layer, or None (set by the loop where the method reads one).
         self.key_copy: Any = lambda layer: None
+        #: Whether the loop captures its steps in CUDA graphs (a new decode plan then launches its phases ahead).
+        self.captures = False
 
     def keys(self, window: int | None) -> KeyRange:
         if window is None:
@@ -194,6 +196,7 @@ class _Loop:
         self.cache = FixedCache(model.config, self.P + self.T, int8_keys=getattr(handle.method, "keybound", False))
         self.ctx = DecodeContext(self.P - mask.sum(1), self.P)
         self.ctx.key_copy = self.cache.key_copy
+        self.ctx.captures = use_graphs
         self.accepts = _forward_kwargs(model)
         self.cache_arg = _cache_kwarg(self.accepts)
         self.tokens = torch.zeros(self.B, dtype=torch.long, device=self.device)
@@ -261,7 +264,9 @@ class _Loop:
         phase = method.decode_phase(step)
         if clock is not None:
             clock.mark(phase)
-        self._run(phase)
+        how = self._run(phase)
+        if clock is not None:
+            clock.ran(how)
         self.handle.after_decode_step(step, phase)
         if method.decode_phase(step + 1) != phase:
             # Work that follows a whole phase (Sift's fit after its warmup) runs once, eagerly, timed apart.
@@ -269,32 +274,40 @@ class _Loop:
                 clock.mark(f"after_{phase}")
             self.handle.end_decode_phase(phase)
 
-    def _run(self, phase: str) -> None:
+    def _run(self, phase: str) -> str:
+        """Run the step of ``phase``; returns how: "replay", "capture" (captured, then replayed) or "eager"."""
         graph = self.graphs.get(phase)
         if graph is not None:
             graph.replay()
-        elif self.use_graphs and phase in self.seen:
-            # Second step of this phase: the first ran eagerly (compiling kernels), capture now and replay.
+            return "replay"
+        # A phase's first step runs eagerly where its kernels may still compile or load, or, for the loop's
+        # first step, where the model makes what it makes on its first call (torch.compile's frames, library
+        # handles); after one eager step, a phase whose plan launched its kernels ahead is captured directly.
+        if self.use_graphs and (phase in self.seen or (self.seen and self.handle.ready_to_capture(phase))):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 self._step()
             self.graphs[phase] = graph
-            graph.replay()
-        else:
             self.seen.add(phase)
-            self._step()
+            graph.replay()
+            return "capture"
+        self.seen.add(phase)
+        self._step()
+        return "eager"
 
 
 class _PhaseClock:
     """Seconds and steps spent in each method phase, from a device event per step on CUDA (no sync in the loop).
 
-    ``steady_ms`` is the median step of a phase without its first two (the eager step
-    that compiles kernels, and the graph capture).
+    ``steady_ms`` is the median step of a phase among its graph replays (all its steps where none
+    replayed: eager steps on the CPU), without the eager steps that compile kernels and the captures;
+    ``eager`` and ``captures`` count those of a decode phase.
     """
 
     def __init__(self, cuda: bool) -> None:
         self.cuda = cuda
         self.marks: list[tuple[str | None, Any]] = []
+        self.how: dict[int, str] = {}  # mark index -> how its step ran ("eager", "capture", "replay")
 
     def mark(self, phase: str | None) -> None:
         if self.cuda:
@@ -304,14 +317,31 @@ class _PhaseClock:
             event = time.perf_counter()
         self.marks.append((phase, event))
 
+    def ran(self, how: str) -> None:
+        """How the step marked last ran."""
+        self.how[len(self.marks) - 1] = how
+
+    @property
+    def captures(self) -> int:
+        return sum(how == "capture" for how in self.how.values())
+
     def totals(self) -> dict[str, dict[str, float]]:
         steps: dict[str, list[float]] = {}
-        for (phase, a), (_, b) in zip(self.marks, self.marks[1:]):
-            steps.setdefault(str(phase), []).append(a.elapsed_time(b) / 1e3 if self.cuda else b - a)
+        replays: dict[str, list[float]] = {}
+        for i, ((phase, a), (_, b)) in enumerate(zip(self.marks, self.marks[1:])):
+            seconds = a.elapsed_time(b) / 1e3 if self.cuda else b - a
+            steps.setdefault(str(phase), []).append(seconds)
+            if self.how.get(i) == "replay":
+                replays.setdefault(str(phase), []).append(seconds)
+        ran: dict[str, list[str]] = {}
+        for i, how in self.how.items():
+            ran.setdefault(str(self.marks[i][0]), []).append(how)
         out = {}
         for phase, seconds in steps.items():
-            steady = sorted(seconds[2:] or seconds)
+            steady = sorted(replays.get(phase) or seconds)
             out[phase] = {"steps": len(seconds), "seconds": sum(seconds), "steady_ms": steady[len(steady) // 2] * 1e3}
+            if phase in ran:  # a decode phase (not the work after one)
+                out[phase].update(eager=ran[phase].count("eager"), captures=ran[phase].count("capture"))
         return out
 
 
@@ -403,6 +433,7 @@ def generate(
     return GenerationResult(
         sequences=torch.cat([input_ids, new], dim=1), new_tokens=new, num_generated=num, stats=handle.stats, fast=True,
         timings={"prefill_s": prefill_s, "decode_s": decode_s, "decode_steps": steps, "phases": clock.totals(),
+                 "captures": clock.captures,
                  **({"key_copy_bytes": loop.cache.key_copy_bytes()} if loop.cache.key_copy_bytes() else {})},
         scores=None if loop.scores is None else loop.scores[:, : used + 1],
     )
