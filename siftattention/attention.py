@@ -109,6 +109,15 @@ class StepLog:
         for buffer, value in zip(self._buffers, (steps, kept, approx)):
             buffer.index_copy_(0, self.counter, value[None])
 
+    def restart(self) -> None:
+        """A new generation: the recorded rows back to zero, in place (a captured step writes them where they are)."""
+        for buffer in self._buffers or ():
+            buffer.zero_()
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The buffers a decode step writes and the constant rows it reads."""
+        return [*(self._buffers or ()), *self._rows.values()]
+
     def finish(self, n: int) -> None:
         """Expose the first ``n`` recorded steps of every layer as ``LayerRecord``-style lists."""
         for layer, record in self.records.items():
