@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 
 from siftattention import Full, Sift, apply
-from siftattention.generation import generate
+from siftattention.generation import DecodeSession, generate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decode import kernel_overrides, use_kernel_overrides  # noqa: E402
@@ -185,11 +185,26 @@ CALIBRATIONS = {
 KEYBOUND_ROWS = {"row": "sift_keybound", "channel": "sift_keybound_channel"}
 
 
-def fast(model, ids, method, new: int, chunk: int, compile: bool = False, all_tokens: bool = False) -> dict:
-    res = generate(model, ids, None, method, max_new_tokens=new, eos_token_id=-1, pad_token_id=0, prefill_chunk=chunk, compile=compile)
+def fast(model, ids, method, new: int, chunk: int, compile: bool = False, all_tokens: bool = False,
+         session: bool = False) -> dict:
+    """One generation through the fast loop, timed. ``session``: a ``DecodeSession``'s second call, its first
+    (untimed: it captures the graphs) made just before, so the whole call replays graphs as a server's would."""
+    if session:
+        with DecodeSession(model, method, ids.shape[0], ids.shape[1] + new, max_new_tokens=new, eos_token_id=-1,
+                           pad_token_id=0, compile=compile) as s:
+            first = s.generate(ids, prefill_chunk=chunk).timings["captures"]
+            free()
+            res = s.generate(ids, prefill_chunk=chunk)
+    else:
+        res = generate(model, ids, None, method, max_new_tokens=new, eos_token_id=-1, pad_token_id=0, prefill_chunk=chunk,
+                       compile=compile)
     t = res.timings
     # decode_ms: every step, first (compiling) steps included; steady_ms: the median step of the main phase.
     out = {"prefill_s": t["prefill_s"], "decode_ms": t["decode_s"] / t["decode_steps"] * 1e3, "phases": t["phases"], "tokens": res.new_tokens[:, :8].tolist()}
+    # Graphs captured by the timed call (each costs about an eager step); a session's first call's apart.
+    out["captures"] = t["captures"]
+    if session:
+        out["session_first_call_captures"] = first
     if all_tokens:
         out["new_tokens"] = res.new_tokens.tolist()
     main = t["phases"].get("sparse") or t["phases"].get("exact")
@@ -228,9 +243,11 @@ def profile_steps(model, ids, method, new: int = 6, graphs: bool = False, steps:
 
     handle = apply(model, method)
     try:
-        loop = _Loop(model, handle, ids, torch.ones_like(ids), new + steps, _Sampler(False, 1.0, None), None, 0, graphs)
+        loop = _Loop(model, handle, ids.shape[0], ids.shape[1] + new + steps, new + steps, ids.device,
+                     _Sampler(False, 1.0, None), None, 0, graphs)
         handle.context = loop.ctx
         with torch.inference_mode():
+            loop.start(ids, torch.ones_like(ids), new + steps)
             loop.prefill(ids, torch.ones_like(ids), 8192)
             for step in range(new - 2):  # warm: compile the kernels, capture the graphs, reach the phase to profile
                 loop.decode(step)
@@ -303,9 +320,11 @@ def capture_decode_calls(model, ids, tau: float, warmup: int) -> tuple[Sift, lis
     method.decode_step = spy
     handle = apply(model, method)
     try:
-        loop = _Loop(model, handle, ids, torch.ones_like(ids), warmup + 4, _Sampler(False, 1.0, None), None, 0, False)
+        loop = _Loop(model, handle, ids.shape[0], ids.shape[1] + warmup + 4, warmup + 4, ids.device,
+                     _Sampler(False, 1.0, None), None, 0, False)
         handle.context = loop.ctx
         with torch.inference_mode():
+            loop.start(ids, torch.ones_like(ids), warmup + 4)
             loop.prefill(ids, torch.ones_like(ids), 8192)
             for step in range(warmup + 2):
                 loop.decode(step)
@@ -471,6 +490,8 @@ def main() -> None:
     ap.add_argument("--attention-share", action="store_true", help="time the attention of one step alone (dense, sparse)")
     ap.add_argument("--no-generate", action="store_true", help="skip the generation rows (with --attention-share, --profile)")
     ap.add_argument("--compile", action="store_true", help="torch.compile the decode step's model code (both fast paths)")
+    ap.add_argument("--session", action="store_true",
+                    help="time each method's second call of a DecodeSession (its graphs captured by the first)")
     ap.add_argument("--kernel-config", type=kernel_overrides, default={}, metavar="JSON",
                     help='KernelConfig fields for every kernel plan of the run, e.g. \'{"interleave2_runs": 1}\'')
     ap.add_argument("--out", type=Path, default=Path("bench_generate.json"))
@@ -509,16 +530,16 @@ def main() -> None:
         sifts = [(("sift" if norm == "exact" else f"sift_{norm}") + CALIBRATIONS[cal][0],
                   lambda norm=norm, cal=cal: fast(model, ids, Sift(tau=args.tau, warmup=args.warmup, normalizer=norm,
                                                                    **CALIBRATIONS[cal][1]),
-                                                  args.new, args.prefill_chunk, args.compile))
+                                                  args.new, args.prefill_chunk, args.compile, session=args.session))
                  for norm in args.normalizer for cal in args.calibration]
         if args.keybound is not None:
             sifts += [(KEYBOUND_ROWS[form] + CALIBRATIONS[cal][0],
                        lambda cal=cal, form=form: fast(model, ids, Sift(tau=args.tau, warmup=args.warmup, keybound=form,
                                                                         **CALIBRATIONS[cal][1]), args.new,
-                                                       args.prefill_chunk, args.compile))
+                                                       args.prefill_chunk, args.compile, session=args.session))
                       for form in args.keybound or ["row"] for cal in args.calibration]
         for name, fn in (
-            ("dense", lambda: fast(model, ids, Full(), args.new, args.prefill_chunk, args.compile)),
+            ("dense", lambda: fast(model, ids, Full(), args.new, args.prefill_chunk, args.compile, session=args.session)),
             *sifts,
             ("hf", lambda: None if args.skip_hf else hf_generate(model, ids, args.hf_new)),
         ):

@@ -16,6 +16,8 @@ Sift's warmup): the dense kernel, Sift's kernels, the whole Sift step, and the f
 V rows that some head of a KV group keeps (``v_rows_per_kv_head``), which with K sets the
 exact step's bytes. The byte floor reads the weights and the valid KV cache once per token
 at the copy bandwidth measured in the same run; Sift's ceiling reads all of K and the kept V.
+``--session`` times each method's second call of a ``DecodeSession`` (the first, untimed, captures the
+graphs), so decode tokens/s covers a whole call without captures; every row counts its call's ``captures``.
 ``--check`` first compares the dense fast path's greedy tokens with transformers' generate
 on the same model and dtype, and says where they part (the top-2 logit gap there).
 ``--methods dense sift sift_keybound sift_keybound_channel`` sets the key-bound step, on its
@@ -109,12 +111,14 @@ def check(model, tokens: torch.Tensor, new: int = 64) -> dict:
 
 def run_method(model, ids, name: str, args) -> dict:
     method = METHODS[name](args)
-    # The same call once before it is timed: Triton compiles kernels for each new shape (a second call, as a user's).
-    generate(model, ids, None, METHODS[name](args), max_new_tokens=args.new, eos_token_id=-1, pad_token_id=0,
-             prefill_chunk=args.prefill_chunk)
-    free()
+    if not args.session:
+        # The same call once before it is timed: Triton compiles kernels for each new shape (a second call, as a user's).
+        generate(model, ids, None, METHODS[name](args), max_new_tokens=args.new, eos_token_id=-1, pad_token_id=0,
+                 prefill_chunk=args.prefill_chunk)
+        free()
     start = time.perf_counter()
-    out = fast(model, ids, method, args.new, args.prefill_chunk, all_tokens=True)
+    # --session: a DecodeSession's two calls, the second timed (it replays the graphs the first captured).
+    out = fast(model, ids, method, args.new, args.prefill_chunk, all_tokens=True, session=args.session)
     out["wall_s"] = time.perf_counter() - start
     out["decode_tok_s"] = ids.shape[0] * 1e3 / out["decode_ms"]
     out["steady_tok_s"] = ids.shape[0] * 1e3 / out["steady_ms"]
@@ -137,6 +141,8 @@ def main() -> None:
     ap.add_argument("--check", action="store_true", help="first compare the dense fast path with transformers' generate")
     ap.add_argument("--attention-share", action="store_true", help="GPU time of one step's attention: dense vs Sift")
     ap.add_argument("--profile", action="store_true", help="device time per kernel of one eager decode step, dense and Sift")
+    ap.add_argument("--session", action="store_true",
+                    help="time each method's second call of a DecodeSession: whole-call tokens/s without graph captures")
     ap.add_argument("--out", type=Path, default=Path("bench_generate_real.json"))
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -178,7 +184,8 @@ def main() -> None:
             out = run_method(model, ids, name, args)
             row["methods"][name] = out
             print(f"{batch}x{prompt} {name}: {out['decode_tok_s']:.0f} tok/s (steady {out['steady_tok_s']:.0f}), prefill "
-                  f"{out['prefill_s']:.1f} s, realized {out.get('realized_post_warmup', 0):.3f} after warmup", flush=True)
+                  f"{out['prefill_s']:.1f} s, realized {out.get('realized_post_warmup', 0):.3f} after warmup, "
+                  f"{out['captures']} graph captures", flush=True)
             save()
         dense, exact = row["methods"].get("dense"), row["methods"].get("sift")
         if dense:

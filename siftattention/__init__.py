@@ -26,6 +26,7 @@ _EXPORTS = {
     "AlreadyAppliedError": "siftattention.hf",
     "generate": "siftattention.generation",
     "GenerationResult": "siftattention.generation",
+    "DecodeSession": "siftattention.generation",
     "Method": "siftattention.methods",
     "Full": "siftattention.methods",
     "TopK": "siftattention.methods",

@@ -83,11 +83,12 @@ class StepLog:
         return record
 
     def _approx_row(self, value: bool, like: torch.Tensor) -> torch.Tensor:
-        # Formed by the first (eager) step of a phase, so a captured step never fills it again.
-        key = (value, like.shape[0])
-        if key not in self._rows:
-            self._rows[key] = torch.full((like.shape[0],), value, dtype=torch.bool, device=like.device)
-        return self._rows[key]
+        # Both rows are formed by the loop's first (eager) step, so a phase whose first step is captured
+        # finds its row made outside the graph.
+        if (value, like.shape[0]) not in self._rows:
+            for v in (False, True):
+                self._rows[(v, like.shape[0])] = torch.full((like.shape[0],), v, dtype=torch.bool, device=like.device)
+        return self._rows[(value, like.shape[0])]
 
     def flush(self) -> None:
         layers = [layer for layer in sorted(self.records) if self.records[layer].pending is not None]
@@ -96,6 +97,7 @@ class StepLog:
         rows = [self.records[layer].pending for layer in layers]
         for layer in layers:
             self.records[layer].pending = None
+        self._approx_row(True, rows[0][0])
         steps = torch.stack([r[0].int() for r in rows])
         kept = torch.stack([r[1].int() for r in rows])  # the layers of one model share B and H
         approx = torch.stack([self._approx_row(r[2], r[0]) if isinstance(r[2], bool) else r[2].bool() for r in rows])
@@ -106,6 +108,15 @@ class StepLog:
             raise RuntimeError(f"decode step recorded layers {layers}, the first step {self._layers}")
         for buffer, value in zip(self._buffers, (steps, kept, approx)):
             buffer.index_copy_(0, self.counter, value[None])
+
+    def restart(self) -> None:
+        """A new generation: the recorded rows back to zero, in place (a captured step writes them where they are)."""
+        for buffer in self._buffers or ():
+            buffer.zero_()
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The buffers a decode step writes and the constant rows it reads."""
+        return [*(self._buffers or ()), *self._rows.values()]
 
     def finish(self, n: int) -> None:
         """Expose the first ``n`` recorded steps of every layer as ``LayerRecord``-style lists."""

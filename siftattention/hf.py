@@ -35,7 +35,7 @@ from .attention import (LayerRecord, exact_attention, is_causal_block, method_at
                         rows_are_ranges, valid_keys)
 from .inputs import check_token_inputs
 from .kernels.plan import BACKENDS
-from .methods.base import KeyRange, Method, PromptChunk
+from .methods.base import KeyRange, Method, PromptChunk, clone_state, refill_state
 from .models import warn_beyond_positions
 from .parallel import gather_heads, tensor_parallel_group
 
@@ -64,8 +64,12 @@ class SiftStats:
     the ranks), so each statistic is a collective that all ranks call in the same order.
     """
 
-    def __init__(self, handle: "SiftHandle") -> None:
+    def __init__(self, handle: "SiftHandle | _StatsCopy") -> None:
         self._handle = handle
+
+    def frozen(self) -> "SiftStats":
+        """These statistics as they are now, kept when the handle's state moves on (a ``DecodeSession``'s next call)."""
+        return SiftStats(_StatsCopy(self._handle))
 
     @property
     def layers(self) -> list[int]:
@@ -155,6 +159,16 @@ class SiftStats:
         return int(selected[0].sum()) if selected.numel() else 0
 
 
+class _StatsCopy:
+    """What ``SiftStats`` reads of a handle, copied: its method, states and records at one moment."""
+
+    def __init__(self, handle: "SiftHandle | _StatsCopy") -> None:
+        self.method, self.last_batch, self.tp_group = handle.method, handle.last_batch, handle.tp_group
+        self.states = {layer: clone_state(state) for layer, state in handle.states.items()}
+        self.records = {layer: LayerRecord([t.clone() for t in r.steps], [t.clone() for t in r.kept],
+                                           [t.clone() for t in r.approx]) for layer, r in handle.records.items()}
+
+
 class SiftHandle:
     """An applied method. Use as a context manager, or call ``remove()``."""
 
@@ -183,6 +197,8 @@ class SiftHandle:
         self._range_ok: dict[int, bool] = {}  # valid keys of every row form one contiguous range
         self._causal_mask: tuple[weakref.ref, bool] | None = None  # the last prompt mask checked, and its verdict
         self._plans: dict[tuple, Any] = {}
+        self._launched: dict[int, set[str]] = {}  # id of a plan -> the phases launched ahead on it
+        self._refill = False  # a new prompt refills each layer's state in place (``reset(keep_states=True)``)
         self._keys: dict[tuple, tuple] = {}  # this forward's decode key ranges: (mask id, keys, batch, device) -> (mask, KeyRange)
         self._keys_layer = -1  # the layer that formed or read them last
         self._ranges: dict[tuple, tuple] = {}  # this forward's prompt row ranges: (mask id, window, shape, device) -> (mask ref, ranges or None)
@@ -295,11 +311,20 @@ class SiftHandle:
         for record in self.records.values():
             record.reorder(index)
 
-    def reset(self) -> None:
-        """Forget all per-sequence state and records (a new batch of sequences starts)."""
-        self.states.clear()
-        self.records.clear()
-        self._decoded.clear()
+    def reset(self, keep_states: bool = False) -> None:
+        """Forget all per-sequence state and records (a new batch of sequences starts).
+
+        ``keep_states``: each layer's state object stays, and the next prompt refills it in place
+        (``methods.base.refill_state``) instead of making a new one, so the CUDA graphs of a
+        ``DecodeSession`` read the new sequences' state where they read the last ones'.
+        """
+        self._refill = keep_states
+        layers = list(self.records) if keep_states else []
+        if not keep_states:
+            self.states.clear()
+        # A kept layer starts empty records now: a session's replayed step never reaches the attention glue.
+        self.records = {layer: LayerRecord() for layer in layers}
+        self._decoded = {layer: 0 for layer in layers}
         self._fed.clear()
         self._range_ok.clear()
 
@@ -339,7 +364,9 @@ class SiftHandle:
             return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
         if key.shape[2] == Q or layer not in self.records or self._batch.get(layer) != B:
             # No past keys: a new batch of sequences starts in this layer.
-            self.states[layer] = self.method.new_state(B, Hq, query.device, layer=layer)
+            fresh = self.method.new_state(B, Hq, query.device, layer=layer)
+            kept = self.states.get(layer) if self._refill and self._batch.get(layer) == B else None
+            self.states[layer] = fresh if kept is None else refill_state(kept, fresh)
             self.records[layer] = LayerRecord()
             self._batch[layer] = B
             self._decoded[layer] = 0
@@ -453,6 +480,8 @@ class SiftHandle:
         kernels, planned = self._plan(query, key, scaling)
         if planned and kernels.compiles_ahead:
             self._compile_ahead(kernels, layer, step, query, key, value, keys)
+            if self.context is not None and self.context.captures:
+                self._launch_ahead(kernels, layer, step, query, key, value, keys)
         res = self.method.decode_step(query[:, :, 0], key, value, keys, state, phase, kernels)
         if self.context is None:  # the fast loop ends steps and phases for all layers itself
             last = layer == max(self.states)
@@ -493,6 +522,29 @@ class SiftHandle:
         with kernels.compiling():
             for phase in phases:
                 self.method.decode_step(query[:, :, 0], key, value, keys, scratch, phase, kernels)
+
+    def _launch_ahead(self, kernels: Any, layer: int, step: int, query: torch.Tensor, key: torch.Tensor,
+                      value: torch.Tensor, keys: KeyRange) -> None:
+        """Run each phase compiled ahead once, for real, on a scratch state: a kernel's first launch loads its
+        module (``cuModuleLoadData``, refused while a stream is captured) and a plan makes some buffers on its
+        first call (the tau tensor, the one-pass and key-bound workspaces), so afterwards the phase's first
+        step can be captured as a CUDA graph directly (``ready_to_capture``). The plan's workspace counters
+        set themselves back, so the real step that follows sees what it would have seen."""
+        phases = self.method.phases_to_compile(step)
+        B, Hq = query.shape[:2]
+        scratch = self.method.new_state(B, Hq, query.device, layer=layer)
+        for phase in phases:
+            self.method.decode_step(query[:, :, 0], key, value, keys, scratch, phase, kernels)
+        self._launched.setdefault(id(kernels), set()).update(phases)
+
+    def plans(self) -> list[Any]:
+        """The decode plans made so far (``kernels.DecodeKernels``), one per shape."""
+        return list(self._plans.values())
+
+    def ready_to_capture(self, phase: str) -> bool:
+        """Whether every decode plan has launched ``phase``'s kernels ahead (``_launch_ahead``), so the fast
+        loop may capture the phase's first step in a CUDA graph instead of running it eagerly first."""
+        return bool(self._plans) and all(phase in self._launched.get(id(plan), ()) for plan in self._plans.values())
 
     def _plan(self, query: torch.Tensor, key: torch.Tensor, scaling: float) -> tuple[Any, bool]:
         """The kernels for this shape, planned once (scratch buffers and launch plan) and reused;

@@ -301,3 +301,26 @@ def test_cuda_new_plans_compile_their_kernels_ahead(tmp_path, monkeypatch):
     assert {"_dense_kernel", "_quantile_kernel", "_scores_kernel", "_filter_kernel"} <= kernels
     assert [c for c in res["calls"] if not c[1]] == []  # nothing compiled at a launch
     assert res["fast"] == res["reference"]
+
+
+@pytest.mark.parametrize("method", [Sift(tau=0.5, recalibrate_every=4), Sift(tau=0.5, warmup=4, warmup_source="decode")],
+                         ids=["recalibrate", "decode-warmup"])
+def test_cuda_later_phases_are_captured_without_an_eager_step(method):
+    # After the loop's first (eager) step, a phase whose kernels the plan compiled and launched ahead
+    # is captured on its first step: Sift's recalibration steps and its sparse steps after a decode
+    # warmup. Tokens and statistics are those of the eager loop.
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA (CUDA graphs)")
+    model = tiny_llama(seed=4).cuda()
+    ids = torch.randint(3, 96, (2, 150), device="cuda")
+    mask = torch.ones_like(ids)
+    eager = generate(model, ids, mask, method, max_new_tokens=20, eos_token_id=-1, cuda_graphs=False)
+    res = generate(model, ids, mask, method, max_new_tokens=20, eos_token_id=-1)
+    phases = res.timings["phases"]
+    first, later = ("sparse", "recalibrate") if method.warmup_source == "prompt" else ("warmup", "sparse")
+    assert (phases[first]["eager"], phases[first]["captures"]) == (1, 1)
+    assert (phases[later]["eager"], phases[later]["captures"]) == (0, 1)
+    assert res.timings["captures"] == 2
+    assert torch.equal(res.sequences, eager.sequences)
+    assert torch.equal(res.stats.per_head(), eager.stats.per_head())
+    assert torch.equal(res.stats.beta, eager.stats.beta)

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from ..kernels.keybound import Int8Keys, key_copy_form, new_int8_keys, write_int8_keys
+from ..kernels.keybound import Int8Keys, clear_int8_keys, key_copy_form, new_int8_keys, write_int8_keys
 
 
 class WritePosition:
@@ -91,6 +91,24 @@ class FixedLayer(CacheLayerMixin):
             row = Int8Keys(*(t[b:b + 1] for t in copy))  # views: the writes land in the copy
             write_int8_keys(row, self.keys[b:b + 1, :, : self.length], start=0, fix_channel=True, starts=starts[b:b + 1])
 
+    def restart(self, prompt_len: int) -> None:
+        """A new prompt of ``prompt_len`` tokens: nothing written yet, and every position past it back to a new
+        cache's zeros, so the valid keys of a decode step see the cache a fresh generation would. The buffers
+        keep their addresses (a session's CUDA graphs read them)."""
+        self.length = 0
+        if not self.is_initialized:
+            return
+        self.keys[:, :, prompt_len:].zero_()
+        self.values[:, :, prompt_len:].zero_()
+        if self.key_copy is not None:
+            clear_int8_keys(self.key_copy, prompt_len)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The layer's buffers (none before the first prompt's write)."""
+        if not self.is_initialized:
+            return []
+        return [self.keys, self.values, *(t for t in self.key_copy or () if t is not None)]
+
     def get_mask_sizes(self, query_length: int, *args: Any) -> tuple[int, int]:
         return self.length + query_length, 0
 
@@ -120,6 +138,16 @@ class FixedCache(Cache):
         """After the prompt's last write: fix every per-channel key copy's ranges (``FixedLayer.finish_prompt``)."""
         for layer in self.layers:
             layer.finish_prompt(starts)
+
+    def restart(self, prompt_len: int) -> None:
+        """A new prompt of ``prompt_len`` tokens on the same buffers (``FixedLayer.restart``)."""
+        self.position.tensor = None
+        for layer in self.layers:
+            layer.restart(prompt_len)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every layer's buffers."""
+        return [t for layer in self.layers for t in layer.tensors()]
 
     def key_copy(self, layer: int) -> Int8Keys | None:
         """The int8 key copy of ``layer`` (None without ``int8_keys``)."""

@@ -26,7 +26,7 @@ from ..attention import StepLog
 from ..hf import SiftHandle, SiftStats, apply, install
 from ..inputs import check_sampling, check_token_id, check_token_inputs
 from ..methods import Full
-from ..methods.base import KeyRange, Method, check_int
+from ..methods.base import KeyRange, Method, check_int, state_tensors
 from ..models import warn_beyond_positions
 from ..notices import FallbackWarning
 from ..parallel import device_map_devices
@@ -57,21 +57,43 @@ class GenerationResult:
 
 
 class DecodeContext:
-    """The device-side position of the loop, read by the attention glue at every decode call."""
+    """The device-side position of the loop, read by the attention glue at every decode call.
 
-    def __init__(self, starts: torch.Tensor, prompt_len: int) -> None:
-        device = starts.device
+    Its tensors are made once and set in place for each prompt (``start``): the graphs of a
+    ``DecodeSession`` read them where they were at capture.
+    """
+
+    def __init__(self, batch: int, device: torch.device) -> None:
         self.step = 0  # host index of the decode step being run or captured (selects the method phase)
-        self.starts = starts.int()  # [B] first real token of each row (left padding)
-        self.seq_lens = torch.full_like(self.starts, prompt_len + 1)  # keys visible to the token being decoded
-        self.write_pos = torch.full((1,), prompt_len, dtype=torch.long, device=device)
+        self.starts = torch.zeros(batch, dtype=torch.int32, device=device)  # [B] first real token of each row (left padding)
+        self.seq_lens = torch.zeros_like(self.starts)  # keys visible to the token being decoded
+        self.write_pos = torch.zeros(1, dtype=torch.long, device=device)
         self.counter = torch.zeros(1, dtype=torch.long, device=device)  # decode steps done
-        self.steps = self.seq_lens - self.starts  # S of every row (layers without a window)
-        self.log_steps = self.steps.float().log()
+        self.steps = torch.zeros_like(self.starts)  # S of every row (layers without a window)
+        self.log_steps = torch.zeros(batch, dtype=torch.float32, device=device)
         # Per sliding window: (starts, steps, log steps), formed once a step for all its layers.
         self.windows: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         #: The cache's int8 key copy of a layer, or None (set by the loop where the method reads one).
         self.key_copy: Any = lambda layer: None
+        #: Whether the loop captures its steps in CUDA graphs (a new decode plan then launches its phases ahead).
+        self.captures = False
+
+    def start(self, starts: torch.Tensor, prompt_len: int) -> None:
+        """A new prompt of ``prompt_len`` tokens, row b's first real one at ``starts[b]``: every tensor set in place."""
+        self.step = 0
+        self.starts.copy_(starts)
+        self.seq_lens.fill_(prompt_len + 1)
+        self.write_pos.fill_(prompt_len)
+        self.counter.zero_()
+        torch.sub(self.seq_lens, self.starts, out=self.steps)
+        torch.log(self.steps.float(), out=self.log_steps)
+        for window, ranges in self.windows.items():
+            self._fill_window(window, *ranges)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor a decode step reads of the context."""
+        return [self.starts, self.seq_lens, self.write_pos, self.counter, self.steps, self.log_steps,
+                *(t for ranges in self.windows.values() for t in ranges)]
 
     def keys(self, window: int | None) -> KeyRange:
         if window is None:
@@ -180,36 +202,59 @@ def _cache_kwarg(accepts: set[str]) -> str:
 
 
 class _Loop:
-    """One generation: buffers, the prefill and the per-phase decode steps of one batch."""
+    """Generations of one batch shape: a fixed cache of ``max_len`` positions, the decode context, the
+    step's buffers and a CUDA graph per method phase, made once and reset in place for each prompt
+    (``start``), so graphs captured for one generation replay for the next (``DecodeSession``)."""
 
-    def __init__(self, model, handle: SiftHandle, input_ids, mask, max_new_tokens, sampler, eos, pad_token_id, use_graphs, output_scores=False, compile=False) -> None:
+    def __init__(self, model, handle: SiftHandle, batch: int, max_len: int, max_new_tokens: int, device: torch.device,
+                 sampler, eos, pad_token_id, use_graphs, output_scores=False, compile=False, keep=False) -> None:
         self.model, self.handle, self.sampler = model, handle, sampler
         # torch.compile fuses the model's small ops around the attention (which stays eager).
         self.forward = _compiled_forward(model) if compile else model.forward
-        self.B, self.P = input_ids.shape
-        self.T = max_new_tokens
-        self.device = input_ids.device
+        self.B, self.max_len, self.max_new = batch, max_len, max_new_tokens
+        self.P, self.T = 0, max_new_tokens  # the generation under way: its prompt length and new tokens
+        self.device = device
         self.eos, self.pad = eos, pad_token_id
         self.use_graphs = use_graphs
-        self.cache = FixedCache(model.config, self.P + self.T, int8_keys=getattr(handle.method, "keybound", False))
-        self.ctx = DecodeContext(self.P - mask.sum(1), self.P)
+        #: Whether generations follow one another on these buffers (a session): method states are then
+        #: refilled in place, and results copy what the next generation overwrites.
+        self.keep = keep
+        self.cache = FixedCache(model.config, max_len, int8_keys=getattr(handle.method, "keybound", False))
+        self.ctx = DecodeContext(batch, device)
         self.ctx.key_copy = self.cache.key_copy
+        self.ctx.captures = use_graphs
         self.accepts = _forward_kwargs(model)
         self.cache_arg = _cache_kwarg(self.accepts)
-        self.tokens = torch.zeros(self.B, dtype=torch.long, device=self.device)
-        self.positions = torch.zeros(self.B, dtype=torch.long, device=self.device)
-        self.out = torch.full((self.B, self.T), pad_token_id, dtype=torch.long, device=self.device)
-        self.done = torch.zeros(self.B, dtype=torch.bool, device=self.device)
-        self.finished_at = torch.full((self.B,), self.T, dtype=torch.long, device=self.device)
+        self.tokens = torch.zeros(batch, dtype=torch.long, device=device)
+        self.positions = torch.zeros(batch, dtype=torch.long, device=device)
+        self.out = torch.full((batch, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
+        self.done = torch.zeros(batch, dtype=torch.bool, device=device)
+        self.finished_at = torch.full((batch,), max_new_tokens, dtype=torch.long, device=device)
         # A 4-D mask makes transformers skip its mask construction: the valid keys come from the context.
-        self.no_mask = torch.ones(self.B, 1, 1, 1, dtype=torch.bool, device=self.device)
+        self.no_mask = torch.ones(batch, 1, 1, 1, dtype=torch.bool, device=device)
         self.scores: torch.Tensor | None = None
         if output_scores:
             vocab = model.get_output_embeddings().weight.shape[0]
-            self.scores = torch.zeros(self.B, self.T, vocab, dtype=torch.float32, device=self.device)
-        self.log = StepLog(self.T - 1, self.ctx.counter)
+            self.scores = torch.zeros(batch, max_new_tokens, vocab, dtype=torch.float32, device=device)
+        self.log = StepLog(max_new_tokens - 1, self.ctx.counter)
         self.graphs: dict[str, torch.cuda.CUDAGraph] = {}
         self.seen: set[str] = set()
+        self.addresses: tuple[int, ...] | None = None  # where the tensors the graphs read lived at their capture
+        self.dropped: set[str] = set()  # phases whose graph this generation dropped (an address had changed)
+
+    def start(self, input_ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int) -> None:
+        """A new generation: every buffer back to a fresh loop's values, in place (no tensor changes address)."""
+        self.P, self.T = input_ids.shape[1], max_new_tokens
+        self.handle.reset(keep_states=self.keep)
+        self.cache.restart(self.P)
+        self.ctx.start(self.P - mask.sum(1), self.P)
+        self.out.fill_(self.pad)
+        self.done.zero_()
+        self.finished_at.fill_(max_new_tokens)
+        if self.scores is not None:
+            self.scores.zero_()
+        self.log.restart()
+        self.dropped = set()
 
     def prefill(self, input_ids: torch.Tensor, mask: torch.Tensor, chunk: int | None) -> None:
         """The prompt, exactly, in chunks of ``chunk`` tokens (bounds the activations of long prompts)."""
@@ -261,7 +306,9 @@ class _Loop:
         phase = method.decode_phase(step)
         if clock is not None:
             clock.mark(phase)
-        self._run(phase)
+        how = self._run(phase)
+        if clock is not None:
+            clock.ran(how)
         self.handle.after_decode_step(step, phase)
         if method.decode_phase(step + 1) != phase:
             # Work that follows a whole phase (Sift's fit after its warmup) runs once, eagerly, timed apart.
@@ -269,32 +316,108 @@ class _Loop:
                 clock.mark(f"after_{phase}")
             self.handle.end_decode_phase(phase)
 
-    def _run(self, phase: str) -> None:
+    def generate(self, input_ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, prefill_chunk: int | None,
+                 check_every: int) -> GenerationResult:
+        """One generation on these buffers (inputs checked, ``P + max_new_tokens <= max_len``)."""
+        handle = self.handle
+        cuda = self.device.type == "cuda"
+        sync = torch.cuda.synchronize if cuda else (lambda: None)
+        try:
+            with torch.inference_mode():
+                self.start(input_ids, mask, max_new_tokens)
+                handle.context = self.ctx
+                handle.prompt_len = self.P  # the prompt's chunks are exact attention, every later token a decode step
+                start = time.perf_counter()
+                self.prefill(input_ids, mask, prefill_chunk)
+                sync()
+                prefill_s = time.perf_counter() - start
+                self.check_graphs()
+                steps = 0
+                clock = _PhaseClock(cuda)
+                for step in range(max_new_tokens - 1):
+                    if self.eos is not None and step % check_every == 0 and bool(self.done.all()):
+                        break
+                    self.decode(step, clock)
+                    steps += 1
+                clock.mark(None)
+                sync()
+                decode_s = time.perf_counter() - start - prefill_s
+        finally:
+            handle.context = None
+            handle.prompt_len = None
+        num = torch.minimum(self.finished_at + 1, torch.full_like(self.finished_at, max_new_tokens))
+        # Steps after every row had finished are not part of the result (transformers stops there too).
+        used = int(num.max()) - 1
+        self.log.finish(min(steps, used))
+        new = self.out[:, : used + 1]
+        scores = None if self.scores is None else self.scores[:, : used + 1]
+        if self.keep:  # the next generation overwrites the buffers and the states
+            new, scores = new.clone(), None if scores is None else scores.clone()
+        key_copy = self.cache.key_copy_bytes()
+        return GenerationResult(
+            sequences=torch.cat([input_ids, new], dim=1), new_tokens=new, num_generated=num,
+            stats=handle.stats.frozen() if self.keep else handle.stats, fast=True,
+            timings={"prefill_s": prefill_s, "decode_s": decode_s, "decode_steps": steps, "phases": clock.totals(),
+                     "captures": clock.captures, "recaptures": len(clock.captured & self.dropped),
+                     **({"key_copy_bytes": key_copy} if key_copy else {})},
+            scores=scores,
+        )
+
+    def _addresses(self) -> tuple[int, ...]:
+        """Where every tensor a captured step reads from outside its own memory pool lives: the model's
+        weights, the cache, the context, the loop's buffers, the step log and the method's states."""
+        tensors = [*self.model.parameters(), *self.model.buffers(), *self.cache.tensors(), *self.ctx.tensors(),
+                   self.tokens, self.positions, self.out, self.done, self.finished_at, self.no_mask, self.scores,
+                   self.eos, *self.log.tensors()]
+        for layer in sorted(self.handle.states):
+            tensors += state_tensors(self.handle.states[layer])
+        plans = [id(plan) for plan in self.handle.plans()]
+        return (*plans, *(t.data_ptr() for t in tensors if t is not None))
+
+    def check_graphs(self) -> None:
+        """Before a generation's first replay: drop every graph if a tensor it reads has moved (a model
+        moved or reloaded, a state made anew by a forward pass between generations), for its phase to be
+        captured again rather than replay over freed memory."""
+        if self.graphs and self._addresses() != self.addresses:
+            self.dropped = set(self.graphs)
+            self.graphs.clear()
+
+    def _run(self, phase: str) -> str:
+        """Run the step of ``phase``; returns how: "replay", "capture" (captured, then replayed) or "eager"."""
         graph = self.graphs.get(phase)
         if graph is not None:
             graph.replay()
-        elif self.use_graphs and phase in self.seen:
-            # Second step of this phase: the first ran eagerly (compiling kernels), capture now and replay.
+            return "replay"
+        # A phase's first step runs eagerly where its kernels may still compile or load, or, for the loop's
+        # first step, where the model makes what it makes on its first call (torch.compile's frames, library
+        # handles); after one eager step, a phase whose plan launched its kernels ahead is captured directly.
+        if self.use_graphs and (phase in self.seen or (self.seen and self.handle.ready_to_capture(phase))):
+            if not self.graphs:
+                self.addresses = self._addresses()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 self._step()
             self.graphs[phase] = graph
-            graph.replay()
-        else:
             self.seen.add(phase)
-            self._step()
+            graph.replay()
+            return "capture"
+        self.seen.add(phase)
+        self._step()
+        return "eager"
 
 
 class _PhaseClock:
     """Seconds and steps spent in each method phase, from a device event per step on CUDA (no sync in the loop).
 
-    ``steady_ms`` is the median step of a phase without its first two (the eager step
-    that compiles kernels, and the graph capture).
+    ``steady_ms`` is the median step of a phase among its graph replays (all its steps where none
+    replayed: eager steps on the CPU), without the eager steps that compile kernels and the captures;
+    ``eager`` and ``captures`` count those of a decode phase.
     """
 
     def __init__(self, cuda: bool) -> None:
         self.cuda = cuda
         self.marks: list[tuple[str | None, Any]] = []
+        self.how: dict[int, str] = {}  # mark index -> how its step ran ("eager", "capture", "replay")
 
     def mark(self, phase: str | None) -> None:
         if self.cuda:
@@ -304,14 +427,36 @@ class _PhaseClock:
             event = time.perf_counter()
         self.marks.append((phase, event))
 
+    def ran(self, how: str) -> None:
+        """How the step marked last ran."""
+        self.how[len(self.marks) - 1] = how
+
+    @property
+    def captures(self) -> int:
+        return sum(how == "capture" for how in self.how.values())
+
+    @property
+    def captured(self) -> set[str]:
+        """The phases whose graph was captured."""
+        return {str(self.marks[i][0]) for i, how in self.how.items() if how == "capture"}
+
     def totals(self) -> dict[str, dict[str, float]]:
         steps: dict[str, list[float]] = {}
-        for (phase, a), (_, b) in zip(self.marks, self.marks[1:]):
-            steps.setdefault(str(phase), []).append(a.elapsed_time(b) / 1e3 if self.cuda else b - a)
+        replays: dict[str, list[float]] = {}
+        for i, ((phase, a), (_, b)) in enumerate(zip(self.marks, self.marks[1:])):
+            seconds = a.elapsed_time(b) / 1e3 if self.cuda else b - a
+            steps.setdefault(str(phase), []).append(seconds)
+            if self.how.get(i) == "replay":
+                replays.setdefault(str(phase), []).append(seconds)
+        ran: dict[str, list[str]] = {}
+        for i, how in self.how.items():
+            ran.setdefault(str(self.marks[i][0]), []).append(how)
         out = {}
         for phase, seconds in steps.items():
-            steady = sorted(seconds[2:] or seconds)
+            steady = sorted(replays.get(phase) or seconds)
             out[phase] = {"steps": len(seconds), "seconds": sum(seconds), "steady_ms": steady[len(steady) // 2] * 1e3}
+            if phase in ran:  # a decode phase (not the work after one)
+                out[phase].update(eager=ran[phase].count("eager"), captures=ran[phase].count("capture"))
         return out
 
 
@@ -371,41 +516,12 @@ def generate(
         raise ValueError("cuda_graphs=True needs the inputs on a CUDA device")
     handle = install(model, method, decode_backend)
     try:
-        handle.reset()
-        loop = _Loop(model, handle, input_ids, mask, max_new_tokens, sampler, _eos_tensor(eos_token_id, input_ids.device), pad_token_id, use_graphs, output_scores, compile)
-        handle.context = loop.ctx
-        handle.prompt_len = loop.P  # the prompt's chunks are exact attention, every later token a decode step
-        with torch.inference_mode():
-            sync = torch.cuda.synchronize if input_ids.is_cuda else (lambda: None)
-            start = time.perf_counter()
-            loop.prefill(input_ids, mask, prefill_chunk)
-            sync()
-            prefill_s = time.perf_counter() - start
-            steps = 0
-            clock = _PhaseClock(input_ids.is_cuda)
-            for step in range(max_new_tokens - 1):
-                if loop.eos is not None and step % check_every == 0 and bool(loop.done.all()):
-                    break
-                loop.decode(step, clock)
-                steps += 1
-            clock.mark(None)
-            sync()
-            decode_s = time.perf_counter() - start - prefill_s
+        B, P = input_ids.shape
+        loop = _Loop(model, handle, B, P + max_new_tokens, max_new_tokens, input_ids.device, sampler,
+                     _eos_tensor(eos_token_id, input_ids.device), pad_token_id, use_graphs, output_scores, compile)
+        return loop.generate(input_ids, mask, max_new_tokens, prefill_chunk, check_every)
     finally:
-        handle.context = None
-        handle.prompt_len = None
         handle.remove()
-    num = torch.minimum(loop.finished_at + 1, torch.full_like(loop.finished_at, max_new_tokens))
-    # Steps after every row had finished are not part of the result (transformers stops there too).
-    used = int(num.max()) - 1
-    loop.log.finish(min(steps, used))
-    new = loop.out[:, : used + 1]
-    return GenerationResult(
-        sequences=torch.cat([input_ids, new], dim=1), new_tokens=new, num_generated=num, stats=handle.stats, fast=True,
-        timings={"prefill_s": prefill_s, "decode_s": decode_s, "decode_steps": steps, "phases": clock.totals(),
-                 **({"key_copy_bytes": loop.cache.key_copy_bytes()} if loop.cache.key_copy_bytes() else {})},
-        scores=None if loop.scores is None else loop.scores[:, : used + 1],
-    )
 
 
 def _check_method(method: Method | None) -> Method:

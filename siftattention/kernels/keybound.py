@@ -143,6 +143,16 @@ def new_int8_keys(batch: int, kv_heads: int, max_len: int, head_dim: int, device
                                device=device), channel, offset)
 
 
+def clear_int8_keys(keys: Int8Keys, start: int) -> None:
+    """Positions ``start`` on back to ``new_int8_keys``'s empty copy, and the channel ranges back to theirs,
+    in place."""
+    keys.values[:, :, start:].zero_()
+    keys.scales[:, :, start:].fill_(_TINY_ROW if keys.channel is not None else _TINY)
+    if keys.channel is not None:
+        keys.channel.fill_(1.0)
+        keys.offset.zero_()
+
+
 def write_int8_keys(keys: Int8Keys, k: torch.Tensor, start: int | None = None, index: torch.Tensor | None = None,
                     fix_channel: bool = False, starts: torch.Tensor | None = None) -> None:
     """Quantise ``k`` [B, Hkv, n, D] into ``keys`` at positions ``[start, start + n)`` or at the device

@@ -260,6 +260,73 @@ def select_sequences(state: Any, index: torch.Tensor) -> Any:
     return replace(state, **{f.name: take(getattr(state, f.name)) for f in fields(state)})
 
 
+def _tensor_fields(state: Any) -> dict[str, Any]:
+    """The attributes of a state object (a dataclass's fields, else its ``__dict__``); {} for None."""
+    from dataclasses import fields, is_dataclass
+
+    if state is None:
+        return {}
+    if is_dataclass(state):
+        return {f.name: getattr(state, f.name) for f in fields(state)}
+    return dict(vars(state)) if hasattr(state, "__dict__") else {}
+
+
+def state_tensors(state: Any) -> list[torch.Tensor]:
+    """Every tensor a method's state holds (a captured decode step may read any of them)."""
+    return [t for t in _tensor_fields(state).values() if isinstance(t, torch.Tensor)]
+
+
+def clone_state(state: Any) -> Any:
+    """A copy of a state whose tensors are copies too: it keeps its values when the state is refilled."""
+    import copy
+
+    if state is None:
+        return None
+    twin = copy.copy(state)
+    for name, value in _tensor_fields(state).items():
+        if isinstance(value, torch.Tensor):
+            object.__setattr__(twin, name, value.clone())
+    return twin
+
+
+def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
+
+
+def put_in_place(state: Any, name: str, value: torch.Tensor) -> None:
+    """``state.name = value``, written into the tensor already there where it has ``value``'s shape, dtype and
+    device: a graph captured over that tensor reads the new value."""
+    old = getattr(state, name)
+    if isinstance(old, torch.Tensor) and _same_layout(old, value):
+        old.copy_(value)
+    else:
+        setattr(state, name, value)
+
+
+def refill_state(state: Any, fresh: Any) -> Any:
+    """``fresh``'s values (a new sequence's state, ``Method.new_state``) in ``state``'s tensors, which keep their
+    addresses, so the CUDA graphs captured over them stay valid; returns ``state``, or ``fresh`` where the two
+    are not states of one kind.
+
+    A tensor of ``fresh`` is copied into ``state``'s tensor of its shape, dtype and device. Where ``fresh``
+    leaves a tensor unformed (None, or empty: one the prompt forms or sizes, as the value sum of value-mean
+    compensation), ``state``'s tensor is kept, zeroed, and the prompt writes it in place (``put_in_place``):
+    only a loop that prefills every prompt may refill. Any other attribute is ``fresh``'s.
+    """
+    old_fields, new_fields = _tensor_fields(state), _tensor_fields(fresh)
+    if state is None or type(state) is not type(fresh) or not old_fields:
+        return fresh
+    for name, new in new_fields.items():
+        old = old_fields.get(name)
+        if isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor) and _same_layout(old, new):
+            old.copy_(new)
+        elif isinstance(old, torch.Tensor) and (new is None or (isinstance(new, torch.Tensor) and new.numel() == 0)):
+            old.zero_()
+        else:
+            object.__setattr__(state, name, new)
+    return state
+
+
 def keep_row_max(probs: torch.Tensor, keep: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """Add each row's largest probability (one key: the first argmax) so no row goes empty."""
     top = torch.zeros_like(keep).scatter_(-1, probs.argmax(dim=-1, keepdim=True), True)

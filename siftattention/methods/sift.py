@@ -495,7 +495,7 @@ class Sift(ThresholdMethod):
         first = rows.last_step[:, None] - n_total  # rows with S > first are recorded
         record = (rows.steps > first) & (rows.steps > 0)
         self._record(rows, state, record, (rows.steps - first - 1).clamp(0, self.warmup - 1))
-        state.count = n_total[:, 0].clone()
+        state.count.copy_(n_total[:, 0])
         if self.anchored:  # the first decoded token filters with the last prompt row's gap
             last = rows.steps == rows.last_step[:, None]  # [B, R]
             gap = torch.where(last[:, None, :], self._gaps(rows), 0.0).sum(-1)

@@ -39,7 +39,7 @@ from ..kernels.arguments import PowerLawThreshold
 from ..kernels.torch_ref import group_keep
 from ..kernels.value_sum import add_step_value_rows
 from .base import (DecodeOutput, KeyRange, Method, PromptChunk, Rows, Selection, compensate_value_mean, keep_row_max,
-                   select_sequences, sum_value_rows)
+                   put_in_place, select_sequences, sum_value_rows)
 
 
 @dataclass(kw_only=True)
@@ -114,8 +114,9 @@ class ThresholdMethod(Method):
     def observe_prompt(self, chunk: PromptChunk, state: Any) -> None:
         """The running value sum starts from the prompt's valid value rows (each chunk sums them all again)."""
         if self.tracks_values:
-            state.value_sum = chunk.value_sum()
-            state.value_start = chunk.valid[:, 0, -1].int().argmax(-1).int()  # the last row's first valid key
+            # In place where the state has them: a session's captured decode steps read these tensors.
+            put_in_place(state, "value_sum", chunk.value_sum())
+            put_in_place(state, "value_start", chunk.valid[:, 0, -1].int().argmax(-1).int())  # the last row's first valid key
 
     def _step_values(self, state: Any, v_cache: torch.Tensor, keys: KeyRange) -> torch.Tensor | None:
         """The sum of this step's valid value rows (None without compensation), ``state.value_sum`` brought
