@@ -277,8 +277,8 @@ JITFunction._do_compile = spy
 model = tiny_llama(seed=4).cuda()
 ids = torch.randint(3, 96, (2, 150), device="cuda")
 mask = torch.ones_like(ids)
-res = generate(model, ids, mask, Sift(tau=0.5, warmup=4), max_new_tokens=10)
-with apply(model, Sift(tau=0.5, warmup=4)), torch.no_grad():
+res = generate(model, ids, mask, Sift(tau=0.5, warmup=4, warmup_source="decode"), max_new_tokens=10)
+with apply(model, Sift(tau=0.5, warmup=4, warmup_source="decode")), torch.no_grad():
     out = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, min_new_tokens=10)
 print(json.dumps(dict(calls=calls, fast=res.sequences.tolist(), reference=out.tolist())))
 '''
@@ -287,7 +287,9 @@ print(json.dumps(dict(calls=calls, fast=res.sequences.tolist(), reference=out.to
 def test_cuda_new_plans_compile_their_kernels_ahead(tmp_path, monkeypatch):
     # On a GPU every kernel of Sift's warmup and sparse steps is compiled ahead, side by side,
     # when the decode plan is made (fast loop, and each capacity of transformers' generate):
-    # a fresh Triton cache, and no kernel compiles at its launch.
+    # a fresh Triton cache, and no kernel compiles at its launch. The paper's decode warmup, so that
+    # no kernel runs before the first decode plan (prompt calibration launches the warmup kernels
+    # at the prefill, where they are first needed).
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from conftest import run_json_script
