@@ -1,12 +1,21 @@
-"""Shared fixtures: tiny random models for fast checks, the embedded model once per session."""
+"""Shared fixtures: tiny random models for fast checks, the embedded model once per session.
+
+The Triton kernels are checked under Triton's CPU interpreter, in subprocesses (``run_interpreted``).
+``make test`` runs every kernel configuration and code path at least once against its float64
+reference; ``SIFT_FULL_KERNEL_TESTS=1`` runs the full matrix (the sizes and combinations that repeat a
+path: tests/test_kernels.py's docstring lists them). The interpreted runs start ahead, in the
+background, when collection ends (the ``interpreted`` mark, below).
+"""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 import torch
@@ -19,25 +28,67 @@ def full_kernel_tests() -> bool:
     return os.environ.get("SIFT_FULL_KERNEL_TESTS", "").strip() == "1"
 
 
-def run_json_script(script: str, *args: str, interpret: bool) -> dict:
-    """Run ``script`` in a subprocess with the checkout importable, under Triton's CPU interpreter
-    (TRITON_INTERPRET=1) or without it, so the setting never leaks into this process; its last
-    stdout line, as JSON."""
+def _subprocess_env(interpret: bool) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
     if interpret:
         env["TRITON_INTERPRET"] = "1"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    p = subprocess.run([sys.executable, os.path.abspath(script), *args], capture_output=True, text=True, env=env,
-                       timeout=900)
-    assert p.returncode == 0, p.stderr[-4000:]
-    return json.loads(p.stdout.strip().splitlines()[-1])
+    return env
+
+
+_RUNNING: set[subprocess.Popen] = set()  # subprocesses of run_json_script, ended at the session's end
+
+
+def run_json_script(script: str, *args: str, interpret: bool) -> dict:
+    """Run ``script`` in a subprocess with the checkout importable, under Triton's CPU interpreter
+    (TRITON_INTERPRET=1) or without it, so the setting never leaks into this process; its last
+    stdout line, as JSON."""
+    p = subprocess.Popen([sys.executable, os.path.abspath(script), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env=_subprocess_env(interpret))
+    _RUNNING.add(p)
+    try:
+        stdout, stderr = p.communicate(timeout=900)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        stdout, stderr = p.communicate()
+    finally:
+        _RUNNING.discard(p)
+    assert p.returncode == 0, stderr[-4000:]
+    return json.loads(stdout.strip().splitlines()[-1])
+
+
+# Interpreted runs ahead of time. The interpreter is single-threaded and most other tests leave one of
+# CI's two cores idle, so the runs that the selected tests name with ``@pytest.mark.interpreted(...)``
+# start when collection ends, one at a time in a background thread, in the order the tests need them;
+# a test that needs a run not yet started starts it at once. At most one run a core at a time.
+_SLOTS = threading.BoundedSemaphore(max(1, os.cpu_count() or 1))
+_LOCK = threading.Lock()
+_FUTURES: dict[tuple[str, tuple[str, ...]], Future] = {}
+_BACKGROUND: ThreadPoolExecutor | None = None
+_FOREGROUND = ThreadPoolExecutor(max_workers=16)
+
+
+def _interpreted_run(script: str, args: tuple[str, ...]) -> dict:
+    with _SLOTS:
+        return run_json_script(script, *args, interpret=True)
+
+
+def _future(script: str, args: tuple[str, ...]) -> Future:
+    """The run's future: the background's if it has started there, else one started now."""
+    key = (os.path.abspath(script), tuple(args))
+    with _LOCK:
+        fut = _FUTURES.get(key)
+        if fut is None or fut.cancel():  # not queued, or queued and not yet started: start it now
+            fut = _FUTURES[key] = _FOREGROUND.submit(_interpreted_run, *key)
+        return fut
 
 
 def run_interpreted(test_file: str, *args: str) -> dict:
-    """``test_file`` run as a script with ``args`` under Triton's CPU interpreter (see run_json_script)."""
-    return run_json_script(test_file, *args, interpret=True)
+    """``test_file`` run as a script with ``args`` under Triton's CPU interpreter (see run_json_script);
+    the result of the same run started ahead where one was (see ``interpreted`` above)."""
+    return _future(test_file, args).result()
 
 
 def triton_worker(test_file: str) -> dict:
@@ -46,16 +97,49 @@ def triton_worker(test_file: str) -> dict:
     return run_interpreted(test_file, "--triton-worker")
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "interpreted(*runs): the test reads run_interpreted(its file, *run) for each "
+                                       "run (a tuple of arguments); these start ahead, in the background")
+
+
+def pytest_collection_finish(session):
+    """Queue the selected tests' interpreted runs (first needed first) on one background thread."""
+    global _BACKGROUND
+    if importlib.util.find_spec("triton") is None or session.config.option.collectonly:
+        return
+    runs: list[tuple[str, tuple[str, ...]]] = []
+    for item in session.items:
+        for mark in item.iter_markers("interpreted"):
+            for args in mark.args:
+                key = (str(item.path), tuple(args))
+                if key not in runs:
+                    runs.append(key)
+    if not runs:
+        return
+    _BACKGROUND = ThreadPoolExecutor(max_workers=1)
+    with _LOCK:
+        for key in runs:
+            _FUTURES.setdefault(key, _BACKGROUND.submit(_interpreted_run, *key))
+
+
+def pytest_sessionfinish(session):
+    """Runs still queued are dropped, running ones ended (a run the tests did not wait for is of no use)."""
+    if _BACKGROUND is not None:
+        _BACKGROUND.shutdown(wait=False, cancel_futures=True)
+    for p in list(_RUNNING):
+        p.kill()
+
+
 def dtype_tolerance(dtype: str) -> float:
     """Relative error allowed against float64: float32 rounding, or half precision's."""
     return 1e-5 if dtype == "float32" else 1e-2
 
 
 def run_interpreted_parts(test_file: str, flag: str, parts: list[str]) -> list[dict]:
-    """``run_interpreted(test_file, flag, part)`` for every part, one subprocess per core at a time
-    (the interpreter is single-threaded); results in the order of ``parts``."""
-    with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
-        return list(pool.map(lambda part: run_interpreted(test_file, flag, part), parts))
+    """``run_interpreted(test_file, flag, part)`` for every part, side by side (one subprocess per core at
+    a time: the interpreter is single-threaded); results in the order of ``parts``."""
+    futures = [_future(test_file, (flag, part)) for part in parts]
+    return [fut.result() for fut in futures]
 
 
 def tiny_llama(seed: int = 0, layers: int = 2, heads: int = 4, kv_heads: int = 2, vocab: int = 97):

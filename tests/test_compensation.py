@@ -245,6 +245,7 @@ def triton_results():
     return triton_worker(__file__)
 
 
+@pytest.mark.interpreted(("--triton-worker",))
 def test_triton_compensated_sparse_step_matches_float64(triton_results):
     rows = triton_results["sparse"]
     assert len(rows) == len(TRITON_CASES)
@@ -285,6 +286,7 @@ def check_value_sum_rows(rows: list[dict]) -> None:
         assert r["same"] and r["err"] < 1e-5, r
 
 
+@pytest.mark.interpreted(("--triton-worker",))
 def test_triton_value_sum_update_equals_the_torch_form_and_a_float64_sum(triton_results):
     check_value_sum_rows(triton_results["value_sum"])
 

@@ -5,11 +5,23 @@ Triton kernels run under Triton's CPU interpreter (TRITON_INTERPRET=1) in
 subprocesses, so that the interpreter setting never leaks into this process; each
 subprocess is this file run as a script and returns its measurements as JSON.
 
-Every interpreted case runs in ``make test``; ``SIFT_FULL_KERNEL_TESTS=1`` adds the
-quantile's sampled bracket at its production sizes (256 and 512 keys), whose sort costs
-the interpreter about 1.5 s a row. By default the warmup steps sort 64-key samples with
-the margin scaled alike, and the radix-select check takes 64-key samples whose margins
-miss as the full list's do (``SMALL``, ``radix_select_variants``; docs/kernels.md).
+Every interpreted case and kernel configuration runs in ``make test``, against float64.
+``SIFT_FULL_KERNEL_TESTS=1`` adds:
+
+- the quantile's sampled bracket at its production sizes (256 and 512 keys), whose sort costs
+  the interpreter about 1.5 s a row. By default the warmup steps sort 64-key samples with
+  the margin scaled alike, and the radix-select check takes 64-key samples whose margins
+  miss as the full list's do (``SMALL``, ``radix_select_variants``; docs/kernels.md);
+- the edge thresholds (one key, every key) of the Triton sparse step with both renormalize
+  settings: by default each case runs "one" without and "all" with renormalisation, and
+  "some" with both (``DECODE_RENORMS``);
+- the power-law thresholds of the planned Triton steps with renormalize=True too, and the
+  full ranges (no starts) on every ``PLAN_CASES`` case: by default renormalize=False only, and
+  the full ranges on cases 0 and 2 (``plan_results(lean=True)``);
+- a second call of every radix-select configuration on the same workspace: by default the
+  first of each group calls twice, and every call's leftover state is checked (``radix_repeats``).
+
+The interpreted runs start ahead of the tests that read them (conftest's ``interpreted`` mark).
 """
 
 from __future__ import annotations
@@ -451,9 +463,12 @@ def workspace_at_rest(ws) -> bool:
                 and (ws.qsync == 0).all() and (ws.qnext == 2**31 - 1).all())
 
 
-def plan_results(device: str, backend: str, cases, config=None, seed_base: int = 31, exact: bool = True) -> list[dict]:
+def plan_results(device: str, backend: str, cases, config=None, seed_base: int = 31, exact: bool = True,
+                 lean: bool = False) -> list[dict]:
     """DecodeKernels sparse / dense / warmup on ``cases`` against the float64 reference; ``exact``
-    False: the sparse step only (dense and warmup as another config's run of the same cases)."""
+    False: the sparse step only (dense and warmup as another config's run of the same cases).
+    ``lean``: the power-law thresholds with renormalize=False only (the threshold is formed before,
+    and apart from, the renormalisation), and the full ranges (no starts) on every other case only."""
     from siftattention.kernels import DecodeKernels
     from siftattention.kernels.plan import PowerLawThreshold
 
@@ -481,10 +496,12 @@ def plan_results(device: str, backend: str, cases, config=None, seed_base: int =
                        dtypes_ok=out.dtype == dtype and kept.dtype == torch.int32)
             # The same thresholds given as a power law (log alpha, beta, log S), as Sift's decode step passes them.
             law = power_law_for(eta, sl, st, gen)
-            pl_ref, pl_ref_kept, _, _ = ref_range(q, k, v, law.eta(), scale, sl, st, renorm, tau)
-            pl_out, pl_kept = kern.sparse(*args, PowerLawThreshold(*(dev(x) for x in law)), dev(sl), dev(st))
-            row.update(pl_err=rel(pl_out.cpu(), pl_ref), pl_kept_equal=bool(torch.equal(pl_kept.cpu(), pl_ref_kept)))
-            if not renorm:  # dense, warmup and full ranges do not depend on renormalize
+            if not (lean and renorm):
+                pl_ref, pl_ref_kept, _, _ = ref_range(q, k, v, law.eta(), scale, sl, st, renorm, tau)
+                pl_out, pl_kept = kern.sparse(*args, PowerLawThreshold(*(dev(x) for x in law)), dev(sl), dev(st))
+                row.update(pl_err=rel(pl_out.cpu(), pl_ref), pl_kept_equal=bool(torch.equal(pl_kept.cpu(), pl_ref_kept)))
+            full_ranges = not renorm and not (lean and i % 2)
+            if full_ranges:  # dense, warmup and full ranges do not depend on renormalize
                 full = torch.full((B,), S, dtype=torch.int32)
                 ref_f, ref_kept_f, ref_dense_f, _ = ref_range(q, k, v, eta, scale, full, torch.zeros(B, dtype=torch.int32))
                 out_f, kept_f = kern.sparse(*args, dev(eta), dev(full))  # no starts
@@ -492,13 +509,13 @@ def plan_results(device: str, backend: str, cases, config=None, seed_base: int =
             if not renorm and exact:
                 dense = kern.dense(*args, dev(sl), dev(st))
                 w_out, theta = kern.warmup(*args, tau, dev(sl), dev(st))
-                dense_f = kern.dense(*args, dev(full))
                 row.update(
                     dense_err=rel(dense.cpu(), ref_dense), warm_err=rel(w_out.cpu(), ref_dense),
                     theta_rel=float(((theta.cpu().double() - ref_th).abs() / ref_th).max()),
-                    full_dense_err=rel(dense_f.cpu(), ref_dense_f),
                     dtypes_ok=row["dtypes_ok"] and dense.dtype == dtype and theta.dtype == torch.float32,
                 )
+                if full_ranges:
+                    row["full_dense_err"] = rel(kern.dense(*args, dev(full)).cpu(), ref_dense_f)
             if backend == "triton":  # counters and quantile buffers are back at their rest values
                 row["sync_zero"] = workspace_at_rest(kern.workspace)
             else:
@@ -507,16 +524,19 @@ def plan_results(device: str, backend: str, cases, config=None, seed_base: int =
     return res
 
 
-def check_plan_rows(rows, n_expected, exact=True):
+def check_plan_rows(rows, n_expected, exact=True, lean=False):
     assert len(rows) == n_expected
     for r in rows:
         tol = 1e-5 if r["dtype"] == "float32" else 1e-2
         assert r["err"] < tol and r["kept_equal"] and r["kept_equal_torch"], r
-        assert r["pl_err"] < tol and r["pl_kept_equal"], r
-        if not r["renorm"]:
+        full_ranges = not r["renorm"] and not (lean and r["case"] % 2)
+        assert ("pl_err" in r) == (not (lean and r["renorm"])) and ("full_err" in r) == full_ranges, r
+        if "pl_err" in r:
+            assert r["pl_err"] < tol and r["pl_kept_equal"], r
+        if full_ranges:
             assert r["full_err"] < tol and r["full_kept_equal"], r
         if not r["renorm"] and exact:
-            for key in ("dense_err", "warm_err", "full_dense_err"):
+            for key in ("dense_err", "warm_err") + (("full_dense_err",) if full_ranges else ()):
                 assert r[key] < tol, (key, r)
             assert r["theta_rel"] < 1e-5, r
         assert r["dtypes_ok"] and r["sync_zero"], r
@@ -770,6 +790,12 @@ TRITON_CASES = [
 ]
 
 
+# The sparse step's thresholds and renormalize settings on each case: "some" with both, the edge
+# thresholds (one key, every key) with one each by default; SIFT_FULL_KERNEL_TESTS=1: every pair.
+DECODE_RENORMS = {mode: (False, True) if FULL or mode == "some" else (renorm,)
+                  for mode, renorm in (("one", False), ("some", None), ("all", True))}
+
+
 def _triton_cases(indices) -> dict:
     """Sparse and warmup steps on ``TRITON_CASES[indices]`` against float64, and the anchored gap
     the warmup step leaves."""
@@ -791,7 +817,7 @@ def _triton_cases(indices) -> dict:
         res["chunks"].append((i, triton_decode.geometry(B, Hq, Hkv, S, D, dtype, q.device, cfg)["CHUNK2"]))
         for mode in ("one", "some", "all"):
             eta = midway_eta(q, k, scale, sl, mode, gen)
-            for renorm in (False, True):
+            for renorm in DECODE_RENORMS[mode]:
                 out, kept = sift_decode_triton(q, k, v, eta, scale, sl.int(), renorm, cfg)
                 ref, ref_kept = ref_decode(q, k, v, eta, scale, sl, renorm)
                 res["decode"].append(dict(case=i, mode=mode, renorm=renorm, dtype=dt, err=rel(out, ref),
@@ -875,7 +901,7 @@ def _triton_plans(interleave: int) -> dict:
 
     key = "plan_interleaved" if interleave else "plan"
     config = KernelConfig(**{**SMALL, "interleave2": interleave})
-    return {key: plan_results("cpu", "triton", PLAN_CASES, config, exact=not interleave)}
+    return {key: plan_results("cpu", "triton", PLAN_CASES, config, exact=not interleave, lean=not FULL)}
 
 
 def _triton_persistent() -> dict:
@@ -890,7 +916,7 @@ def _triton_persistent() -> dict:
 # longest first so that the cores finish together.
 TRITON_PARTS = {
     "plans": lambda: _triton_plans(0),
-    "radix": lambda: {"radix": radix_select_results()},
+    "radix": lambda: {"radix": radix_select_results(repeat=radix_repeats)},
     "cases-4-10": lambda: _triton_cases(range(4, len(TRITON_CASES))),
     "cases-2-3": lambda: _triton_cases(range(2, 4)),
     "exact-quantile": _triton_exact_quantile,
@@ -898,6 +924,8 @@ TRITON_PARTS = {
     "plans-interleaved": lambda: _triton_plans(8),
     "persistent": _triton_persistent,
 }
+# The tests that read these parts' results (triton_results): the parts start ahead (conftest's ``interpreted``).
+interpreted_parts = pytest.mark.interpreted(*[("--triton-worker", part) for part in TRITON_PARTS])
 
 
 def _triton_worker(part: str) -> dict:
@@ -1026,9 +1054,11 @@ def radix_select_variants(parallel: bool, full: bool = True) -> list[dict]:
     return variants
 
 
-def radix_select_results(device: str = "cpu", variants: list[dict] | None = None) -> list[dict]:
+def radix_select_results(device: str = "cpu", variants: list[dict] | None = None, repeat=lambda i: True) -> list[dict]:
     """The radix select alone on crafted scores: theta against float64 torch.quantile, and the
-    histogram state left for the next call, for every kernel form and atomic-pass choice."""
+    histogram state left for the next call, for every kernel form and atomic-pass choice; the
+    variants where ``repeat(index)`` holds run a second call on the same workspace, which must give
+    the same theta and leave the same state."""
     from siftattention.kernels import triton_decode as td
     from siftattention.kernels.triton_quantile import quantile_pass
 
@@ -1037,7 +1067,7 @@ def radix_select_results(device: str = "cpu", variants: list[dict] | None = None
     B, Hq, S = scores.shape
     dev = torch.device(device)
     out = []
-    for variant in variants or radix_select_variants(False, FULL):
+    for i, variant in enumerate(variants or radix_select_variants(False, FULL)):
         cfg = td.KernelConfig(**{**SMALL, **variant})
         geo = td.geometry(B, Hq, Hq, S, 64, torch.float32, dev, cfg)
         ws = td.Workspace(geo, dev)
@@ -1050,14 +1080,23 @@ def radix_select_results(device: str = "cpu", variants: list[dict] | None = None
         p = torch.exp2(scores.double() - m.double()[..., None]) / l.double()[..., None]
         want = torch.tensor([[float(torch.quantile(p[b, h, : seq_lens[b]], tau[b, h])) for h in range(Hq)]
                              for b in range(B)], dtype=torch.float64)
-        thetas = [quantile_pass(geo, ws, tau.to(dev), seq_lens.int().to(dev), None, cfg).cpu() for _ in range(2)]
-        out.append(dict(variant, chunks=geo["NQ"],
-                        rel=float(((thetas[0].double() - want).abs() / want).max()),
-                        repeat_equal=bool(torch.equal(thetas[0], thetas[1])),
-                        hist_nonzero=int(ws.qhist.count_nonzero() + ws.qbracket.count_nonzero()
-                                         + ws.qsync.count_nonzero()),
-                        next_reset=bool((ws.qnext == 2**31 - 1).all())))
+        row = dict(variant, chunks=geo["NQ"], repeat_equal=True, hist_nonzero=0, next_reset=True)
+        thetas = []
+        for _ in range(2 if repeat(i) else 1):
+            thetas.append(quantile_pass(geo, ws, tau.to(dev), seq_lens.int().to(dev), None, cfg).cpu())
+            row["hist_nonzero"] += int(ws.qhist.count_nonzero() + ws.qbracket.count_nonzero() + ws.qsync.count_nonzero())
+            row["next_reset"] &= bool((ws.qnext == 2**31 - 1).all())
+        row.update(rel=float(((thetas[0].double() - want).abs() / want).max()), repeats=len(thetas) - 1,
+                   repeat_equal=all(torch.equal(thetas[0], t) for t in thetas))
+        out.append(row)
     return out
+
+
+def radix_repeats(i: int) -> bool:
+    """Which of ``radix_select_variants``' configurations the interpreter calls twice: by default the
+    first of each group (full select, sampled bracket, bracket digits), with SIFT_FULL_KERNEL_TESTS=1 all;
+    the state every call leaves is checked on all."""
+    return FULL or i in (0, 3, 7)
 
 
 @pytest.fixture(scope="module")
@@ -1076,9 +1115,12 @@ def triton_results():
     return merged
 
 
+@interpreted_parts
 def test_triton_decode_matches_float64(triton_results):
     rows = triton_results["decode"]
-    assert len(rows) == len(TRITON_CASES) * 6
+    assert len(rows) == len(TRITON_CASES) * sum(map(len, DECODE_RENORMS.values()))
+    assert {(r["case"], r["mode"], r["renorm"]) for r in rows} == {
+        (i, mode, renorm) for i in range(len(TRITON_CASES)) for mode, renorms in DECODE_RENORMS.items() for renorm in renorms}
     for r in rows:
         tol = 1e-5 if r["dtype"] == "float32" else 1e-2
         assert r["err"] < tol, r
@@ -1086,6 +1128,7 @@ def test_triton_decode_matches_float64(triton_results):
         assert r["out_dtype"] == "torch." + r["dtype"], r
 
 
+@interpreted_parts
 def test_triton_warmup_leaves_the_anchored_gap(triton_results):
     """The gap an exact (warmup) step leaves for the anchored normaliser, from the workspace, against float64."""
     rows = triton_results["warmup_gap"]
@@ -1094,6 +1137,7 @@ def test_triton_warmup_leaves_the_anchored_gap(triton_results):
         assert r["err"] < 1e-4, r
 
 
+@interpreted_parts
 def test_triton_interleaved_cases_interleave(triton_results):
     """The cases that ask for interleaved filter splits get chunks (else they would test contiguous splits)."""
     chunks = dict(triton_results["chunks"])
@@ -1128,12 +1172,14 @@ def test_h200_plan_shortens_runs_only_for_short_b1_rows():
         KernelConfig(interleave2_runs=0)
 
 
+@interpreted_parts
 def test_triton_reused_counters_return_to_zero(triton_results):
     assert triton_results["sync_buffers"] >= 2  # one per (device, stream, rows) shape seen, summed over processes
     assert triton_results["sync_nonzero"] == 0
     assert triton_results["sync_nonzero_after_failure"] == 0
 
 
+@interpreted_parts
 def test_triton_warmup_matches_float64(triton_results):
     rows = triton_results["warmup"]
     assert len(rows) == 10
@@ -1143,6 +1189,7 @@ def test_triton_warmup_matches_float64(triton_results):
         assert r["theta_rel"] < 1e-5, r
 
 
+@interpreted_parts
 def test_triton_warmup_quantile_exact_scores(triton_results):
     rows = triton_results["exact"]
     assert len(rows) == 5 + 2 * 4
@@ -1158,13 +1205,17 @@ def check_radix_rows(rows: list[dict], n: int) -> None:
         assert r["repeat_equal"] and r["hist_nonzero"] == 0 and r["next_reset"], r
 
 
+@interpreted_parts
 def test_triton_radix_select_on_crafted_scores(triton_results):
-    check_radix_rows(triton_results["radix"], len(radix_select_variants(False, FULL)))
+    rows = triton_results["radix"]
+    check_radix_rows(rows, len(radix_select_variants(False, FULL)))
+    assert [r["repeats"] for r in rows] == [int(radix_repeats(i)) for i in range(len(rows))]
 
 
+@interpreted_parts
 def test_triton_plan_matches_float64(triton_results):
-    check_plan_rows(triton_results["plan"], 2 * len(PLAN_CASES))
-    check_plan_rows(triton_results["plan_interleaved"], 2 * len(PLAN_CASES), exact=False)
+    check_plan_rows(triton_results["plan"], 2 * len(PLAN_CASES), lean=not FULL)
+    check_plan_rows(triton_results["plan_interleaved"], 2 * len(PLAN_CASES), exact=False, lean=not FULL)
     for r in triton_results["persistent"]:
         assert r["persistent"] and r["out_equal"] and r["kept_equal"] and r["kept_ref"], r
         assert r["err"] < (1e-5 if r["dtype"] == "float32" else 1e-2), r

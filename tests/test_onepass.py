@@ -8,6 +8,10 @@ run as a script on half of the cases and returns its measurements as JSON. The r
 Kept counts are compared exactly: each head's threshold is placed at least 1e-3 away from
 every one of its scores (midway between two sorted scores at least 4e-3 apart, checked
 against the float64 scores), far beyond the float32 scoring error.
+
+``make test`` runs every case, both forms and both renormalize settings; the repeat call (the
+counters a step leaves must let the next call repeat it) runs with renormalize=False, and
+``SIFT_FULL_KERNEL_TESTS=1`` adds it with renormalize=True.
 """
 
 from __future__ import annotations
@@ -19,9 +23,12 @@ import zlib
 
 import pytest
 import torch
-from conftest import run_interpreted_parts
+from conftest import full_kernel_tests, run_interpreted_parts
 
 MODES = ("some", "nan", "all", "top_eta", "top_gap")
+# Every step is called twice from the same gap (the counters it leaves must let the next call repeat it) with
+# renormalize=False, and with renormalize=True too under SIFT_FULL_KERNEL_TESTS=1; each call's counters are checked.
+REPEAT_ALL = full_kernel_tests()
 # name, B, Hq, Hkv, S, D, dtype, OnePassConfig overrides, first, last, cache layout, key range
 CASES = [
     ("mha", 3, 4, 4, 53, 64, "float32", dict(block_n=16, splits=3), 4, 8, "slice", "starts"),
@@ -174,8 +181,9 @@ TWO_PASS_SMALL = dict(block_n1=16, block_n2=16, block_a=32, scan_elems=0, min_sp
                       min_splitd=16, block_nb=16, block_n2_gqa=16, block_nb_gqa=32, interleave2=0)
 
 
-def run_case(case, gen, dev="cpu", config=None, two_pass=False) -> list[dict]:
-    """Both renormalize settings of one case: errors against float64, the edge modes, a repeat call.
+def run_case(case, gen, dev="cpu", config=None, two_pass=False, repeat_all=REPEAT_ALL) -> list[dict]:
+    """Both renormalize settings of one case: errors against float64, the edge modes, a repeat call
+    (with renormalize=False; with both where ``repeat_all``).
 
     ``two_pass``: the step as ``DecodeKernels.sparse_anchored`` runs it in two passes (the
     scores kernel, then the filter kernel with the anchored threshold) instead of ``OnePassPlan``.
@@ -203,11 +211,12 @@ def run_case(case, gen, dev="cpu", config=None, two_pass=False) -> list[dict]:
             step = lambda gap: plan(q, k, v, th, gap, scale, sl, st, renorm)  # noqa: E731
             splits = plan.geometry["splits"]
             counters = plan.sem
-        results = []
-        for _ in range(2):  # the second call from the same gap: counters reset by the kernel
+        results, at_rest = [], True
+        for _ in range(2 if repeat_all or not renorm else 1):  # a second call from the same gap: counters reset
             gap = gap0.clone()
             out, kept = step(gap)
             results.append((out.cpu(), kept.cpu(), gap.cpu()))
+            at_rest &= int(counters.count_nonzero()) == 0
         out, kept, gap = results[0]
         ref, ref_kept, ref_gap = sift_anchored_decode_torch(q64, k64, v64, log_eta, gap_ref, scale, sl_ref, renorm,
                                                             c["starts"], first, last)
@@ -225,8 +234,8 @@ def run_case(case, gen, dev="cpu", config=None, two_pass=False) -> list[dict]:
             gap_err=float((gap.double() - ref_gap).abs().max()), margin=c["margin"], edge_bad=edge_bad,
             modes=sorted({m for r in c["modes"] for m in r}), out_dtype=str(out.dtype),
             fallback_heads=sum(m in ("top_eta", "top_gap") for r in c["modes"] for m in r),
-            repeat_equal=all(torch.equal(x, y) for x, y in zip(results[0], results[1])),
-            sem_zero=int(counters.count_nonzero()) == 0,
+            repeat_equal=all(torch.equal(x, y) for r in results[1:] for x, y in zip(results[0], r)),
+            sem_zero=at_rest, calls=len(results),
         ))
     return rows
 
@@ -241,10 +250,14 @@ def _worker(part: int) -> dict:
     return res
 
 
+HALVES = ["0", "1"]
+interpreted_halves = pytest.mark.interpreted(*[("--onepass-worker", half) for half in HALVES])
+
+
 @pytest.fixture(scope="module")
 def onepass_results():
     pytest.importorskip("triton")
-    halves = run_interpreted_parts(__file__, "--onepass-worker", ["0", "1"])
+    halves = run_interpreted_parts(__file__, "--onepass-worker", HALVES)
     return {key: halves[0][key] + halves[1][key] for key in halves[0]}
 
 
@@ -258,13 +271,15 @@ def check_rows(rows: list[dict], n: int) -> None:
         assert r["gap_err"] < 1e-4, r
         assert r["edge_bad"] == 0, r
         assert r["out_dtype"] == "torch." + r["dtype"], r
-        assert r["repeat_equal"] and r["sem_zero"], r
+        assert r["repeat_equal"] and r["sem_zero"] and r["calls"] >= (1 if r["renorm"] else 2), r
 
 
+@interpreted_halves
 def test_onepass_matches_float64(onepass_results):
     check_rows(onepass_results["rows"], 2 * len(CASES))
 
 
+@interpreted_halves
 def test_two_pass_anchored_matches_float64(onepass_results):
     """The same cases through the two-pass form (scores kernel, filter kernel with the anchored threshold)."""
     rows = onepass_results["two_pass"]
@@ -272,6 +287,7 @@ def test_two_pass_anchored_matches_float64(onepass_results):
     assert all(r["two_pass"] for r in rows)
 
 
+@interpreted_halves
 def test_onepass_cases_cover_the_edges(onepass_results):
     """Several splits everywhere, every threshold mode somewhere, the fallback on every tie case head."""
     rows = onepass_results["rows"]
@@ -311,8 +327,8 @@ def test_cuda_onepass_matches_float64():
     from siftattention.kernels.triton_decode import KernelConfig
 
     case = ("cuda", 2, 32, 8, 4099, 128, "float16", {}, 64, 256, "slice", "starts")
-    rows = run_case(case, torch.Generator().manual_seed(seed(*case[:7])), dev="cuda")
-    rows += run_case(case, torch.Generator().manual_seed(seed(*case[:7])), dev="cuda", two_pass=True,
+    rows = run_case(case, torch.Generator().manual_seed(seed(*case[:7])), dev="cuda", repeat_all=True)
+    rows += run_case(case, torch.Generator().manual_seed(seed(*case[:7])), dev="cuda", two_pass=True, repeat_all=True,
                      config=KernelConfig())
     check_rows(rows, 4)
 
