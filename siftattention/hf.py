@@ -514,14 +514,10 @@ class SiftHandle:
                        value: torch.Tensor, keys: KeyRange) -> None:
         """Compile the kernels of every phase the method names for a plan new at ``step``, side by
         side, on a scratch state: otherwise the first step of each phase compiles its kernels one by one."""
-        phases = self.method.phases_to_compile(step)
-        if not phases:
+        if not self.method.phases_to_compile(step):
             return
-        B, Hq = query.shape[:2]
-        scratch = self.method.new_state(B, Hq, query.device, layer=layer)
         with kernels.compiling():
-            for phase in phases:
-                self.method.decode_step(query[:, :, 0], key, value, keys, scratch, phase, kernels)
+            self._run_phases_ahead(kernels, layer, step, query, key, value, keys)
 
     def _launch_ahead(self, kernels: Any, layer: int, step: int, query: torch.Tensor, key: torch.Tensor,
                       value: torch.Tensor, keys: KeyRange) -> None:
@@ -530,12 +526,19 @@ class SiftHandle:
         first call (the tau tensor, the one-pass and key-bound workspaces), so afterwards the phase's first
         step can be captured as a CUDA graph directly (``ready_to_capture``). The plan's workspace counters
         set themselves back, so the real step that follows sees what it would have seen."""
-        phases = self.method.phases_to_compile(step)
-        B, Hq = query.shape[:2]
-        scratch = self.method.new_state(B, Hq, query.device, layer=layer)
-        for phase in phases:
-            self.method.decode_step(query[:, :, 0], key, value, keys, scratch, phase, kernels)
+        phases = self._run_phases_ahead(kernels, layer, step, query, key, value, keys)
         self._launched.setdefault(id(kernels), set()).update(phases)
+
+    def _run_phases_ahead(self, kernels: Any, layer: int, step: int, query: torch.Tensor, key: torch.Tensor,
+                          value: torch.Tensor, keys: KeyRange) -> list[str]:
+        """One decode step of every phase still to come (``Method.phases_to_compile``) on a new scratch state;
+        returns those phases."""
+        phases = self.method.phases_to_compile(step)
+        if phases:
+            scratch = self.method.new_state(query.shape[0], query.shape[1], query.device, layer=layer)
+            for phase in phases:
+                self.method.decode_step(query[:, :, 0], key, value, keys, scratch, phase, kernels)
+        return list(phases)
 
     def plans(self) -> list[Any]:
         """The decode plans made so far (``kernels.DecodeKernels``), one per shape."""

@@ -319,6 +319,10 @@ class _Loop:
     def generate(self, input_ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, prefill_chunk: int | None,
                  check_every: int) -> GenerationResult:
         """One generation on these buffers (inputs checked, ``P + max_new_tokens <= max_len``)."""
+        P = input_ids.shape[1]
+        # stacklevel 4: the warning names the line that called generate (or a session's generate).
+        warn_beyond_positions(self.model, P + max_new_tokens - 1, f"a prompt of {P} tokens and {max_new_tokens} new tokens",
+                              stacklevel=4)
         handle = self.handle
         cuda = self.device.type == "cuda"
         sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -509,11 +513,7 @@ def generate(
         return reference_generate(model, input_ids, mask, method, max_new_tokens=max_new_tokens, do_sample=do_sample,
                                   temperature=temperature, top_k=top_k, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
                                   decode_backend=decode_backend, fallback_reason=problem)
-    warn_beyond_positions(model, input_ids.shape[1] + max_new_tokens - 1,
-                          f"a prompt of {input_ids.shape[1]} tokens and {max_new_tokens} new tokens")
-    use_graphs = input_ids.is_cuda if cuda_graphs is None else bool(cuda_graphs)
-    if use_graphs and not input_ids.is_cuda:
-        raise ValueError("cuda_graphs=True needs the inputs on a CUDA device")
+    use_graphs = _use_graphs(cuda_graphs, input_ids.device, "the inputs")
     handle = install(model, method, decode_backend)
     try:
         B, P = input_ids.shape
@@ -522,6 +522,14 @@ def generate(
         return loop.generate(input_ids, mask, max_new_tokens, prefill_chunk, check_every)
     finally:
         handle.remove()
+
+
+def _use_graphs(cuda_graphs: bool | None, device: torch.device, what: str) -> bool:
+    """Whether the loop captures CUDA graphs: ``cuda_graphs``, or on CUDA where it is None."""
+    use = device.type == "cuda" if cuda_graphs is None else bool(cuda_graphs)
+    if use and device.type != "cuda":
+        raise ValueError(f"cuda_graphs=True needs {what} on a CUDA device")
+    return use
 
 
 def _check_method(method: Method | None) -> Method:

@@ -15,9 +15,8 @@ import torch
 
 from ..hf import install
 from ..methods.base import Method, check_int
-from ..models import warn_beyond_positions
 from .loop import (GenerationResult, _check_inputs, _check_method, _eos_tensor, _Loop, _Sampler, _special_tokens,
-                   fast_path_problem)
+                   _use_graphs, fast_path_problem)
 
 
 class DecodeSession:
@@ -67,9 +66,7 @@ class DecodeSession:
         sampler = _Sampler(do_sample, temperature, top_k)
         self.model = model
         self.device = next(model.parameters()).device
-        use_graphs = self.device.type == "cuda" if cuda_graphs is None else bool(cuda_graphs)
-        if use_graphs and self.device.type != "cuda":
-            raise ValueError("cuda_graphs=True needs the model on a CUDA device")
+        use_graphs = _use_graphs(cuda_graphs, self.device, "the model")
         self._handle = install(model, method, decode_backend)
         try:
             self._loop: _Loop | None = _Loop(
@@ -102,7 +99,6 @@ class DecodeSession:
                              f"and at most {self.max_new_tokens} new tokens, got {B} rows, a prompt of {P} and {new} new tokens")
         if input_ids.device != self.device:
             raise ValueError(f"input_ids are on {input_ids.device}, the session's model on {self.device}")
-        warn_beyond_positions(self.model, P + new - 1, f"a prompt of {P} tokens and {new} new tokens")
         return self._loop.generate(input_ids, mask, new, prefill_chunk, check_every)
 
     def close(self) -> None:
