@@ -38,7 +38,6 @@ import torch
 from siftattention import Full, Sift, TopK
 from siftattention.data import load_corpus, read_text_file
 from siftattention.eval.tasks.base import common_prefix, rouge_l
-from siftattention.generation import generate
 from siftattention.models import load_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -111,16 +110,11 @@ def check(model, tokens: torch.Tensor, new: int = 64) -> dict:
 
 def run_method(model, ids, name: str, args) -> dict:
     method = METHODS[name](args)
-    # The same call once before it is timed: Triton compiles kernels for each new shape (a second call, as a user's).
-    # With --session too: the first Sift graph a process captures replays ~4% faster than any later one (H100,
-    # Qwen 16 x 32768: 9.00 against 9.33-9.44 ms a step, sessions or not), so both modes time a later graph.
-    generate(model, ids, None, METHODS[name](args), max_new_tokens=args.new, eos_token_id=-1, pad_token_id=0,
-             prefill_chunk=args.prefill_chunk)
-    free()
-    start = time.perf_counter()
+    # fast() makes the same call once untimed first (new shapes compile; a process's first Sift graph replays ~4%
+    # faster than any later one, H100, Qwen 16 x 32768: 9.00 against 9.33-9.44 ms a step), so the timed call is a
+    # user's second, in both modes.
     # --session: a DecodeSession's two calls, the second timed (it replays the graphs the first captured).
     out = fast(model, ids, method, args.new, args.prefill_chunk, all_tokens=True, session=args.session)
-    out["wall_s"] = time.perf_counter() - start
     out["decode_tok_s"] = ids.shape[0] * 1e3 / out["decode_ms"]
     out["steady_tok_s"] = ids.shape[0] * 1e3 / out["steady_ms"]
     return out
