@@ -22,9 +22,10 @@ time: a second ``apply`` raises ``AlreadyAppliedError``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from transformers import AttentionInterface, PreTrainedModel
@@ -34,7 +35,9 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from .attention import (LayerRecord, exact_attention, is_causal_block, method_attention, prompt_row_ranges,
                         rows_are_ranges, valid_keys)
 from .inputs import check_token_inputs
+from .kernels.keybound import Int8Keys
 from .kernels.plan import BACKENDS
+from .key_copy import KeyCopy, cache_windows
 from .methods.base import KeyRange, Method, PromptChunk, clone_state, refill_state
 from .models import warn_beyond_positions
 from .parallel import gather_heads, tensor_parallel_group
@@ -199,6 +202,10 @@ class SiftHandle:
         self._plans: dict[tuple, Any] = {}
         self._launched: dict[int, set[str]] = {}  # id of a plan -> the phases launched ahead on it
         self._refill = False  # a new prompt refills each layer's state in place (``reset(keep_states=True)``)
+        #: Inside ``generate`` for a method that reads an int8 key copy: the sliding window of each layer of the
+        #: cache (``key_copy.cache_windows``), and each layer's copy beside it. None: no copy is kept.
+        self._copy_windows: dict[int, int] | None = None
+        self._key_copies: dict[int, KeyCopy] = {}
         self._keys: dict[tuple, tuple] = {}  # this forward's decode key ranges: (mask id, keys, batch, device) -> (mask, KeyRange)
         self._keys_layer = -1  # the layer that formed or read them last
         self._ranges: dict[tuple, tuple] = {}  # this forward's prompt row ranges: (mask id, window, shape, device) -> (mask ref, ranges or None)
@@ -241,8 +248,12 @@ class SiftHandle:
             ids = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
             if isinstance(ids, torch.Tensor):
                 check_token_inputs(self.model, ids, kwargs.get("attention_mask"))
+            # The row-wise reference path (decode_backend None) reads no copy.
+            copied = self.method.key_copy_form is not None and self.decode_backend is not None
+            windows = cache_windows(self.model, kwargs, self.method.spec()) if copied else None
             self.reset()
             self.decoding = True
+            self._copy_windows = windows
             self.prompt_len = _prompt_length(args, kwargs)
             if self.prompt_len is not None:
                 new = _new_tokens(self.model, self.prompt_len, kwargs)
@@ -253,6 +264,8 @@ class SiftHandle:
             finally:
                 self.decoding = False
                 self.prompt_len = None
+                self._copy_windows = None
+                self._key_copies.clear()  # the generation's cache goes too; a later call quantises its own keys
 
         self.model.generate = generate  # type: ignore[method-assign]
         self.model.__dict__["_reorder_cache"] = self._reorder_hook(getattr(self.model, "_reorder_cache", None))
@@ -310,6 +323,8 @@ class SiftHandle:
             self.states[layer] = self.method.reorder_state(state, index)
         for record in self.records.values():
             record.reorder(index)
+        for copy in self._key_copies.values():
+            copy.reorder(index)
 
     def reset(self, keep_states: bool = False) -> None:
         """Forget all per-sequence state and records (a new batch of sequences starts).
@@ -327,6 +342,7 @@ class SiftHandle:
         self._decoded = {layer: 0 for layer in layers}
         self._fed.clear()
         self._range_ok.clear()
+        self._key_copies.clear()
 
     # -- the attention function ---------------------------------------------------------
     def _layer_index(self, module: torch.nn.Module) -> int:
@@ -370,6 +386,7 @@ class SiftHandle:
             self.records[layer] = LayerRecord()
             self._batch[layer] = B
             self._decoded[layer] = 0
+            self._key_copies.pop(layer, None)
         state = self.states[layer]
         if decoding and not in_prompt:
             out = self._decode(layer, module, state, query, key, value, attention_mask, scaling, kwargs)
@@ -403,6 +420,9 @@ class SiftHandle:
                 self.method.observe_prompt(PromptChunk(query, key, valid, prompt_steps, scaling, bias, softcap, value, final,
                                                        ranges), state)
             self.method.finish_prefill(state)
+            if self._copy_windows is not None and (self.prompt_len is None or fed + Q >= self.prompt_len):
+                # Once the whole prompt is in: a per-channel copy's ranges come from its valid keys.
+                self._follow_keys(layer, key, Q, lambda: valid[:, 0].any(1).int().argmax(-1))
         elif decoding:
             self._decoded[layer] += 1
         return out.transpose(1, 2).contiguous(), None
@@ -477,6 +497,8 @@ class SiftHandle:
             if not self._range_ok.get(layer, False) or (attention_mask is not None and attention_mask.dtype != torch.bool):
                 return None
             keys = self._step_keys(layer, attention_mask, key.shape[2], query.shape[0], query.device, window)
+            if self._copy_windows is not None:  # a copy of its own: the range is shared by the forward's layers
+                keys = dataclasses.replace(keys, key_copy=self._follow_keys(layer, key, 1, lambda: keys.starts))
         kernels, planned = self._plan(query, key, scaling)
         if planned and kernels.compiles_ahead:
             self._compile_ahead(kernels, layer, step, query, key, value, keys)
@@ -498,6 +520,16 @@ class SiftHandle:
             self.records[layer].add(steps[:, None], kept[:, :, None], approx)
         self._decoded[layer] += 1
         return res.out[:, None], None
+
+    def _follow_keys(self, layer: int, key: torch.Tensor, new: int,
+                     starts: Callable[[], torch.Tensor | None]) -> Int8Keys:
+        """The layer's int8 key copy after a call that received ``key`` with ``new`` new tokens
+        (``key_copy.KeyCopy.follow``); ``starts()`` gives the first valid key of each row, asked for only
+        where a per-channel copy takes its ranges."""
+        copy = self._key_copies.get(layer)
+        if copy is None:
+            copy = self._key_copies[layer] = KeyCopy(self.method.key_copy_form, self._copy_windows.get(layer))
+        return copy.follow(key, new, starts() if copy.needs_ranges else None)
 
     def _ordered_states(self) -> list[Any]:
         return [self.states[layer] for layer in sorted(self.states)]
@@ -665,21 +697,14 @@ def apply(model: PreTrainedModel, method: Method, *, decode_backend: str | None 
 
     ``apply`` only installs: a method that needs work on data first (Top-theta's calibration)
     is refused with a one-line ``CalibrationError`` until ``method.prepare(model)`` (or
-    ``TopTheta.calibrate``) has run. ``Sift(keybound=...)`` is refused with a one-line
-    ``ValueError``: its int8 key copy lives in the fast loop's cache (``siftattention.generate``).
+    ``TopTheta.calibrate``) has run. ``Sift(keybound=...)`` keeps its int8 key copy beside
+    transformers' ``DynamicCache`` inside ``generate`` (``key_copy.py``); ``generate`` refuses,
+    in one line, a cache the copy cannot follow (a static or quantized cache, for one).
 
     >>> with apply(model, Sift(tau=0.875, warmup=128)) as handle:
     ...     out = model.generate(**inputs, max_new_tokens=256)
     ...     print(handle.stats.realized_sparsity())
     """
-    if getattr(method, "needs_key_copy", False):
-        raise ValueError(f"{method.spec()} reads an int8 copy of the keys that only the fast loop's cache keeps: decode "
-                         "with siftattention.generate(...), or drop keybound under apply")
-    return install(model, method, decode_backend)
-
-
-def install(model: PreTrainedModel, method: Method, decode_backend: str | None = "auto") -> SiftHandle:
-    """``apply`` without its refusal of a method that reads the fast loop's key copy: the fast loop's own entry."""
     if not isinstance(method, Method):
         raise TypeError(f"method must be a siftattention method (Full, TopK, H2O, Sift, Oracle, ...), got {type(method).__name__}")
     if getattr(model, _HANDLE_ATTR, None) is None:

@@ -167,6 +167,14 @@ def _stats_before_forward(_):
         return handle.stats.beta
 
 
+def _keybound_static_cache(_):
+    from siftattention import apply
+
+    model = tiny_llama()
+    with apply(model, _sift(keybound="channel")):
+        return model.generate(input_ids=torch.randint(3, 97, (1, 5)), max_new_tokens=2, cache_implementation="static")
+
+
 def _second_apply(_):
     from siftattention import AlreadyAppliedError, Sift, TopK, apply
 
@@ -258,9 +266,9 @@ API_ROWS: list[Api] = [
         "UnsupportedModelError", "Linear"),
     Api('apply(model, "sift")', lambda f: __import__("siftattention").apply(tiny_llama(), "sift"), TypeError,
         "method must be a siftattention method"),
-    Api('apply(model, Sift(keybound="channel"))',
-        lambda f: __import__("siftattention").apply(tiny_llama(), _sift(keybound="channel")), ValueError,
-        "reads an int8 copy of the keys that only the fast loop's cache keeps: decode with siftattention.generate"),
+    Api('model.generate(cache_implementation="static") under apply(model, Sift(keybound="channel"))',
+        _keybound_static_cache, ValueError, "keeps an int8 copy of the keys beside transformers' cache, which it "
+        "cannot follow here: cache_implementation='static'"),
     Api("handle.stats.beta before a forward pass", _stats_before_forward, RuntimeError, "no statistics yet"),
     Api("a second apply on the same model", _second_apply, "AlreadyAppliedError", ""),
     Api('load_corpus("imagenet")', lambda f: __import__("siftattention.data").data.load_corpus("imagenet"),

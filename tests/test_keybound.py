@@ -624,29 +624,6 @@ def test_cuda_sift_keybound_fast_loop_captures(monkeypatch, form):
         assert torch.equal(layer.key_copy.scales[:, :, :written], fresh.scales)
 
 
-@pytest.mark.parametrize("form", ["row", "channel"])
-def test_keybound_is_refused_outside_the_fast_loop(monkeypatch, form):
-    """transformers' cache keeps no int8 key copy: ``apply`` refuses Sift(keybound=...) with one line naming the fast
-    loop and leaves the model as it was; ``generate`` refuses it where it would fall back to ``apply``."""
-    from test_generation import _left_padded_batch
-
-    from siftattention import Sift, apply
-    from siftattention.generation import generate, loop
-
-    model = _biased_qwen2()
-    implementation = model.config._attn_implementation
-    with pytest.raises(ValueError, match=r"keybound=" + form + r" reads an int8 copy of the keys that only the fast "
-                       r"loop's cache keeps: decode with siftattention.generate\(...\)") as err:
-        apply(model, Sift(keybound=form))
-    assert "\n" not in str(err.value) and model.config._attn_implementation == implementation
-    with apply(model, Sift()):  # nothing was left installed
-        pass
-    ids, mask = _left_padded_batch()
-    monkeypatch.setattr(loop, "fast_path_problem", lambda model, method: "a reason")
-    with pytest.raises(ValueError, match="needs the fast loop's cache .its int8 key copy., which cannot serve here: a reason"):
-        generate(model, ids, mask, Sift(keybound=form), max_new_tokens=2)
-
-
 def test_sift_keybound_option_values():
     """keybound takes False, True (= "row"), "row" or "channel", in code and in a method spec."""
     from siftattention import Sift

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from ..attention import StepLog
-from ..hf import SiftHandle, SiftStats, apply, install
+from ..hf import SiftHandle, SiftStats, apply
 from ..inputs import check_sampling, check_token_id, check_token_inputs
 from ..methods import Full
 from ..methods.base import KeyRange, Method, check_int, state_tensors
@@ -219,7 +219,7 @@ class _Loop:
         #: Whether generations follow one another on these buffers (a session): method states are then
         #: refilled in place, and results copy what the next generation overwrites.
         self.keep = keep
-        self.cache = FixedCache(model.config, max_len, int8_keys=getattr(handle.method, "keybound", False))
+        self.cache = FixedCache(model.config, max_len, int8_keys=handle.method.key_copy_form)
         self.ctx = DecodeContext(batch, device)
         self.ctx.key_copy = self.cache.key_copy
         self.ctx.captures = use_graphs
@@ -506,15 +506,13 @@ def generate(
     prefill_chunk = None if prefill_chunk is None else check_int("prefill_chunk", prefill_chunk, 1)
     check_every = check_int("check_every", check_every, 1)
     problem = fast_path_problem(model, method)
-    if problem is not None and method.needs_key_copy:
-        raise ValueError(f"{method.spec()} needs the fast loop's cache (its int8 key copy), which cannot serve here: {problem}")
     if problem is not None:
         warnings.warn(f"siftattention.generate: using transformers' generate ({problem})", FallbackWarning, stacklevel=2)
         return reference_generate(model, input_ids, mask, method, max_new_tokens=max_new_tokens, do_sample=do_sample,
                                   temperature=temperature, top_k=top_k, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
                                   decode_backend=decode_backend, fallback_reason=problem)
     use_graphs = _use_graphs(cuda_graphs, input_ids.device, "the inputs")
-    handle = install(model, method, decode_backend)
+    handle = apply(model, method, decode_backend=decode_backend)
     try:
         B, P = input_ids.shape
         loop = _Loop(model, handle, B, P + max_new_tokens, max_new_tokens, input_ids.device, sampler,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..hf import install
+from ..hf import apply
 from ..methods.base import Method, check_int
 from .loop import (GenerationResult, _check_inputs, _check_method, _eos_tensor, _Loop, _Sampler, _special_tokens,
                    _use_graphs, fast_path_problem)
@@ -67,7 +67,7 @@ class DecodeSession:
         self.model = model
         self.device = next(model.parameters()).device
         use_graphs = _use_graphs(cuda_graphs, self.device, "the model")
-        self._handle = install(model, method, decode_backend)
+        self._handle = apply(model, method, decode_backend=decode_backend)
         try:
             self._loop: _Loop | None = _Loop(
                 model, self._handle, self.batch_size, self.max_len, self.max_new_tokens, self.device, sampler,

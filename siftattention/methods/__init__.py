@@ -24,7 +24,7 @@ SPEC_HELP = """Method spec grammar: NAME[:KEY=VALUE[,KEY=VALUE...]]
   sift:tau=0.875,warmup=128[,renormalize=false][,warmup_source=prompt|decode|prefill]
        [,recalibrate_every=64][,recalibrate_decay=0.9][,warmup_tolerance=0][,warmup_min=16]
        [,normalizer=exact|anchored][,anchor_first=64][,anchor_last=256][,vmc=false]
-       [,keybound=false|row|channel]   (keybound: the fast loop's key-bound step, int8 key copy)
+       [,keybound=false|row|channel]   (keybound: the key-bound step, int8 key copy)
        [,gqa=head|shared]   (shared: one kept set per KV group, on its heads' largest probability)
   oracle:tau=0.875[,renormalize=false][,vmc=false]   exact per-step tau-quantile threshold
   toptheta:k=64[,renormalize=false][,vmc=true][,first_layers=2][,first_k=512][,sigma=0.1]

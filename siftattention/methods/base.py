@@ -125,8 +125,8 @@ class KeyRange:
     log_step_count: torch.Tensor | None = None  # [B] float32
     #: the layer's sliding window (its valid range is at most this many keys ending at seq_lens), or None
     window: int | None = None
-    #: The layer's int8 key copy (``kernels.keybound.Int8Keys``) where the cache keeps one (the fast loop's, for
-    #: ``Sift(keybound=True)``); None elsewhere.
+    #: The layer's int8 key copy (``kernels.keybound.Int8Keys``) where one is kept (the fast loop's cache, or
+    #: ``key_copy.KeyCopy`` beside transformers' under ``apply``, for ``Sift(keybound=True)``); None elsewhere.
     key_copy: Any = None
 
     def steps(self) -> torch.Tensor:
@@ -385,9 +385,10 @@ class Method:
         """Raise a one-line error naming the call to make if ``apply(model, self)`` lacks what ``prepare`` gives."""
 
     @property
-    def needs_key_copy(self) -> bool:
-        """Whether the decode step reads an int8 copy of the keys, which only the fast loop's cache keeps."""
-        return False
+    def key_copy_form(self) -> str | None:
+        """The form of the int8 key copy the decode step reads ("row" or "channel", ``kernels.keybound``), kept
+        beside the cache where keys are written; None where it reads none."""
+        return None
 
     def decode_phase(self, step: int) -> str | None:
         """What decode step ``step`` (0 = the first decoded token) does, or None without a decode step.

@@ -13,10 +13,10 @@ previous step's gap between the exact log-sum-exp and the anchor sum. In probabi
 ``p > eta * exp(g_{t-1} - g_t)``. The kept keys still get the exact normaliser.
 
 ``keybound="row"`` or ``"channel"`` (beyond the paper; True means "row") runs each sparse step as the
-key-bound step (``kernels.keybound``): an int8 copy of the keys, kept by the fast loop's cache, bounds
-every score, and only keys the bound cannot drop are read in full. It keeps the exact step's keys except
-those within a small epsilon of the threshold. Only the fast loop (``siftattention.generate``) keeps the
-copy: ``apply`` refuses such a method, and ``generate`` refuses it where it would fall back to ``apply``.
+key-bound step (``kernels.keybound``): an int8 copy of the keys, written where keys are appended (the
+fast loop's cache, or beside transformers' cache under ``apply``: ``key_copy.py``), bounds every score,
+and only keys the bound cannot drop are read in full. It keeps the exact step's keys except those within
+a small epsilon of the threshold.
 "row" scales each key row by its largest channel; "channel" also scales and offsets each channel by its
 range over the prompt's keys (per sequence and KV head), which bounds keys with outlier channels (a key
 bias, as Qwen's) far tighter.
@@ -238,8 +238,8 @@ class Sift(ThresholdMethod):
         self._prompt_plan: tuple[tuple, DecodeKernels] | None = None
 
     @property
-    def needs_key_copy(self) -> bool:
-        return bool(self.keybound)
+    def key_copy_form(self) -> str | None:
+        return self.keybound or None
 
     @property
     def anchored(self) -> bool:
