@@ -208,7 +208,7 @@ def out64(s64, valid, keep, v, renormalize):
 
 
 def valid_of(B, S, seq_lens, starts):
-    pos = torch.arange(S)[None, :]
+    pos = torch.arange(S, device=seq_lens.device)[None, :]
     return (pos < seq_lens[:, None]) & (pos >= starts[:, None])
 
 
