@@ -51,6 +51,10 @@ import torch
 from .torch_ref import _acc_dtype, _kept_output, _probs, _scores, valid_keys
 
 QMAX = 127
+#: Scales are ``max|k| * float32(1 / 127)``, the product torch computes for a division by a scalar on CUDA (not
+#: on the CPU): the same copy, bit for bit, on every device. ``|k / c|`` may then pass 127 by an ulp; it still
+#: rounds to 127.
+INV_QMAX = 1.0 / QMAX
 #: Relative margin on the bound e_i for float32 rounding (valid for head_dim <= MAX_HEAD_DIM).
 MARGIN = 2.0**-6
 MAX_HEAD_DIM = 256
@@ -115,18 +119,19 @@ def channel_ranges(k: torch.Tensor, starts: torch.Tensor | None = None) -> tuple
 
 
 def quantize_keys(k: torch.Tensor, channel: tuple[torch.Tensor, torch.Tensor] | bool | None = None) -> Int8Keys:
-    """Symmetric int8 per key row (the last axis). Per row: scale ``max(max|k| / 127, 2^-126)`` in float32.
+    """Symmetric int8 per key row (the last axis). Per row: scale ``max(max|k| / 127, 2^-126)`` in float32
+    (the division as a product with ``INV_QMAX``; k_hat rounds half to even).
     With ``channel`` (scales and offsets ``(c, o)`` from ``channel_ranges``, or True to take them from ``k``):
     row factor ``r = max(max_d |k_d - o_d| / c_d / 127, 2^-116)`` and ``k_hat = round((k - o) / c / r)``, so
     that ``|k_d - o_d - r c_d k_hat_d| <= r c_d / 2``; rows beyond the channels' ranges only get a larger ``r``."""
     kf = k.to(torch.float64 if k.dtype == torch.float64 else torch.float32)
     if channel is None or channel is False:
-        scales = (kf.abs().amax(-1) / QMAX).clamp_min(_TINY)
+        scales = (kf.abs().amax(-1) * INV_QMAX).clamp_min(_TINY)
         values = torch.round(kf / scales[..., None]).clamp_(-QMAX, QMAX).to(torch.int8)
         return Int8Keys(values, scales.float())
     c, o = channel_ranges(k) if channel is True else channel
     x = (kf - o.to(kf.dtype)[:, :, None, :]) / c.to(kf.dtype)[:, :, None, :]
-    scales = (x.abs().amax(-1) / QMAX).clamp_min(_TINY_ROW)
+    scales = (x.abs().amax(-1) * INV_QMAX).clamp_min(_TINY_ROW)
     values = torch.round(x / scales[..., None]).clamp_(-QMAX, QMAX).to(torch.int8)
     return Int8Keys(values, scales.float(), c.float(), o.float())
 
