@@ -159,15 +159,23 @@ def clear_int8_keys(keys: Int8Keys, start: int) -> None:
 
 
 def write_int8_keys(keys: Int8Keys, k: torch.Tensor, start: int | None = None, index: torch.Tensor | None = None,
-                    fix_channel: bool = False, starts: torch.Tensor | None = None) -> None:
+                    fix_channel: bool = False, starts: torch.Tensor | None = None, backend: str = "auto") -> None:
     """Quantise ``k`` [B, Hkv, n, D] into ``keys`` at positions ``[start, start + n)`` or at the device
     positions ``index`` [n] (no host sync: the fast loop's one-token writes). A per-channel copy takes
     its channel scales and offsets from ``k`` where ``fix_channel`` (the prompt's write; ``starts`` [B]: from
-    the rows at or after ``starts[b]`` only, as ``channel_ranges``), else keeps them."""
+    the rows at or after ``starts[b]`` only, as ``channel_ranges``), else keeps them. ``backend``: "auto" writes
+    float16, bfloat16 and float32 keys on CUDA by one Triton launch (``triton_key_write``, bit for bit
+    ``quantize_keys``), else by torch ops ("torch"); "triton" forces the kernel (on the CPU under
+    ``TRITON_INTERPRET=1``). The channel ranges are fixed in torch either way (once per prompt)."""
     if keys.channel is not None and fix_channel:
         c, o = channel_ranges(k, starts)
         keys.channel.copy_(c)
         keys.offset.copy_(o)
+    if _triton_writes(k, backend):
+        from .triton_key_write import write_int8_keys_triton
+
+        write_int8_keys_triton(keys, k, start, index)
+        return
     new = quantize_keys(k, None if keys.channel is None else (keys.channel, keys.offset))
     if index is not None:
         keys.values.index_copy_(2, index, new.values)
@@ -176,6 +184,23 @@ def write_int8_keys(keys: Int8Keys, k: torch.Tensor, start: int | None = None, i
         n = k.shape[2]
         keys.values[:, :, start:start + n] = new.values
         keys.scales[:, :, start:start + n] = new.scales
+
+
+_WRITER_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _triton_writes(k: torch.Tensor, backend: str) -> bool:
+    """Whether ``write_int8_keys`` takes the Triton writer for ``k`` under ``backend`` (see there)."""
+    from .plan import resolve_backend, triton_available  # plan imports this module
+
+    if backend not in ("auto", "torch", "triton"):
+        raise ValueError(f"unknown backend {backend!r}; expected 'auto', 'torch' or 'triton'")
+    if backend == "triton":
+        resolve_backend(backend, k.device)  # the one-line refusal where Triton cannot run
+        if k.dtype not in _WRITER_DTYPES:
+            raise ValueError(f"the Triton key writer takes float16, bfloat16 or float32 keys, got {k.dtype}")
+        return True
+    return backend == "auto" and k.is_cuda and k.dtype in _WRITER_DTYPES and triton_available()
 
 
 def score_bounds(q: torch.Tensor, keys: Int8Keys, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
