@@ -17,8 +17,9 @@ import triton
 import triton.language as tl
 
 from .keybound import _TINY, _TINY_ROW, INV_QMAX, QMAX, Int8Keys
+from .plan import on_device
 from .triton_common import launch
-from .triton_config import _pow2
+from .triton_config import _cdiv, _pow2
 
 _ROUND = tl.constexpr(1.5 * 2.0**23)
 #: Elements of one program's [rows, head_dim] tile (a decode write of a few rows is one or two programs).
@@ -80,12 +81,13 @@ def write_int8_keys_triton(keys: Int8Keys, k: torch.Tensor, start: int | None = 
     block_d = _pow2(D)
     block_r = min(_pow2(rows), max(1, _TILE // block_d))
     has_index = index is not None
-    launch(_key_write_kernel, (triton.cdiv(rows, block_r),),
-           k, values, scales, chan if per_channel else scales, off if per_channel else scales,
-           index if has_index else scales,
-           *k.stride(), *values.stride(), *scales.stride(), *(chan.stride() if per_channel else (0, 0, 0)),
-           *(off.stride() if per_channel else (0, 0, 0)),
-           0 if has_index else start, n, rows,
-           HKV=H, D=D, BLOCK_R=block_r, BLOCK_D=block_d, HAS_CHANNEL=per_channel, HAS_INDEX=has_index,
-           INV_Q=INV_QMAX, LEAST=_TINY_ROW if per_channel else _TINY, QLIM=float(QMAX),
-           num_warps=max(1, min(4, block_r * block_d // 512)))
+    with on_device(k.device):  # Triton launches on the current device; a device map puts layers on others
+        launch(_key_write_kernel, (_cdiv(rows, block_r),),
+               k, values, scales, chan if per_channel else scales, off if per_channel else scales,
+               index if has_index else scales,
+               *k.stride(), *values.stride(), *scales.stride(), *(chan.stride() if per_channel else (0, 0, 0)),
+               *(off.stride() if per_channel else (0, 0, 0)),
+               0 if has_index else start, n, rows,
+               HKV=H, D=D, BLOCK_R=block_r, BLOCK_D=block_d, HAS_CHANNEL=per_channel, HAS_INDEX=has_index,
+               INV_Q=INV_QMAX, LEAST=_TINY_ROW if per_channel else _TINY, QLIM=float(QMAX),
+               num_warps=max(1, min(4, block_r * block_d // 512)))
