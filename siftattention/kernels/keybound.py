@@ -51,6 +51,10 @@ import torch
 from .torch_ref import _acc_dtype, _kept_output, _probs, _scores, valid_keys
 
 QMAX = 127
+#: Scales are ``max|k| * float32(1 / 127)``, the product torch computes for a division by a scalar on CUDA (not
+#: on the CPU): the same copy, bit for bit, on every device. ``|k / c|`` may then pass 127 by an ulp; it still
+#: rounds to 127.
+INV_QMAX = 1.0 / QMAX
 #: Relative margin on the bound e_i for float32 rounding (valid for head_dim <= MAX_HEAD_DIM).
 MARGIN = 2.0**-6
 MAX_HEAD_DIM = 256
@@ -115,18 +119,19 @@ def channel_ranges(k: torch.Tensor, starts: torch.Tensor | None = None) -> tuple
 
 
 def quantize_keys(k: torch.Tensor, channel: tuple[torch.Tensor, torch.Tensor] | bool | None = None) -> Int8Keys:
-    """Symmetric int8 per key row (the last axis). Per row: scale ``max(max|k| / 127, 2^-126)`` in float32.
+    """Symmetric int8 per key row (the last axis). Per row: scale ``max(max|k| / 127, 2^-126)`` in float32
+    (the division as a product with ``INV_QMAX``; k_hat rounds half to even).
     With ``channel`` (scales and offsets ``(c, o)`` from ``channel_ranges``, or True to take them from ``k``):
     row factor ``r = max(max_d |k_d - o_d| / c_d / 127, 2^-116)`` and ``k_hat = round((k - o) / c / r)``, so
     that ``|k_d - o_d - r c_d k_hat_d| <= r c_d / 2``; rows beyond the channels' ranges only get a larger ``r``."""
     kf = k.to(torch.float64 if k.dtype == torch.float64 else torch.float32)
     if channel is None or channel is False:
-        scales = (kf.abs().amax(-1) / QMAX).clamp_min(_TINY)
+        scales = (kf.abs().amax(-1) * INV_QMAX).clamp_min(_TINY)
         values = torch.round(kf / scales[..., None]).clamp_(-QMAX, QMAX).to(torch.int8)
         return Int8Keys(values, scales.float())
     c, o = channel_ranges(k) if channel is True else channel
     x = (kf - o.to(kf.dtype)[:, :, None, :]) / c.to(kf.dtype)[:, :, None, :]
-    scales = (x.abs().amax(-1) / QMAX).clamp_min(_TINY_ROW)
+    scales = (x.abs().amax(-1) * INV_QMAX).clamp_min(_TINY_ROW)
     values = torch.round(x / scales[..., None]).clamp_(-QMAX, QMAX).to(torch.int8)
     return Int8Keys(values, scales.float(), c.float(), o.float())
 
@@ -154,15 +159,23 @@ def clear_int8_keys(keys: Int8Keys, start: int) -> None:
 
 
 def write_int8_keys(keys: Int8Keys, k: torch.Tensor, start: int | None = None, index: torch.Tensor | None = None,
-                    fix_channel: bool = False, starts: torch.Tensor | None = None) -> None:
+                    fix_channel: bool = False, starts: torch.Tensor | None = None, backend: str = "auto") -> None:
     """Quantise ``k`` [B, Hkv, n, D] into ``keys`` at positions ``[start, start + n)`` or at the device
     positions ``index`` [n] (no host sync: the fast loop's one-token writes). A per-channel copy takes
     its channel scales and offsets from ``k`` where ``fix_channel`` (the prompt's write; ``starts`` [B]: from
-    the rows at or after ``starts[b]`` only, as ``channel_ranges``), else keeps them."""
+    the rows at or after ``starts[b]`` only, as ``channel_ranges``), else keeps them. ``backend``: "auto" writes
+    float16, bfloat16 and float32 keys on CUDA by one Triton launch (``triton_key_write``, bit for bit
+    ``quantize_keys``), else by torch ops ("torch"); "triton" forces the kernel (on the CPU under
+    ``TRITON_INTERPRET=1``). The channel ranges are fixed in torch either way (once per prompt)."""
     if keys.channel is not None and fix_channel:
         c, o = channel_ranges(k, starts)
         keys.channel.copy_(c)
         keys.offset.copy_(o)
+    if _triton_writes(k, backend):
+        from .triton_key_write import write_int8_keys_triton
+
+        write_int8_keys_triton(keys, k, start, index)
+        return
     new = quantize_keys(k, None if keys.channel is None else (keys.channel, keys.offset))
     if index is not None:
         keys.values.index_copy_(2, index, new.values)
@@ -171,6 +184,23 @@ def write_int8_keys(keys: Int8Keys, k: torch.Tensor, start: int | None = None, i
         n = k.shape[2]
         keys.values[:, :, start:start + n] = new.values
         keys.scales[:, :, start:start + n] = new.scales
+
+
+_WRITER_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _triton_writes(k: torch.Tensor, backend: str) -> bool:
+    """Whether ``write_int8_keys`` takes the Triton writer for ``k`` under ``backend`` (see there)."""
+    from .plan import resolve_backend, triton_available  # plan imports this module
+
+    if backend not in ("auto", "torch", "triton"):
+        raise ValueError(f"unknown backend {backend!r}; expected 'auto', 'torch' or 'triton'")
+    if backend == "triton":
+        resolve_backend(backend, k.device)  # the one-line refusal where Triton cannot run
+        if k.dtype not in _WRITER_DTYPES:
+            raise ValueError(f"the Triton key writer takes float16, bfloat16 or float32 keys, got {k.dtype}")
+        return True
+    return backend == "auto" and k.is_cuda and k.dtype in _WRITER_DTYPES and triton_available()
 
 
 def score_bounds(q: torch.Tensor, keys: Int8Keys, scale: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,212 @@
+"""The int8 key copy's Triton writer (kernels/triton_key_write.py) against ``write_int8_keys``' torch form,
+bit for bit: both forms, writes at a start and at device positions, odd shapes, strided keys, edge values.
+
+The kernel runs under Triton's CPU interpreter in a subprocess (this file as a script), so the interpreter
+setting never leaks into this process; on a CUDA device the same checks run on the GPU."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+from conftest import triton_worker
+
+from siftattention.kernels.keybound import CHANNEL_FLOOR, Int8Keys, new_int8_keys, write_int8_keys
+
+#: B, Hkv, n, D, dtype, form, where ("start" or "index"), layout of k (see ``strided_keys``).
+CASES = [
+    (1, 1, 1, 64, "float16", "row", "index", "channels"),
+    (3, 2, 1, 128, "bfloat16", "channel", "index", "heads"),
+    (3, 2, 1, 256, "float32", "row", "index", "contiguous"),
+    (1, 2, 3, 256, "float32", "channel", "start", "channels"),
+    (3, 1, 3, 128, "float16", "row", "start", "heads"),
+    (3, 2, 37, 64, "bfloat16", "row", "start", "channels"),
+    (1, 2, 37, 128, "float16", "channel", "index", "contiguous"),
+    (3, 1, 37, 80, "float32", "channel", "start", "heads"),  # head_dim not a power of two
+    (1, 1, 3, 80, "bfloat16", "row", "index", "contiguous"),
+]
+
+
+def strided_keys(B: int, H: int, n: int, D: int, dtype: torch.dtype, layout: str, gen: torch.Generator) -> torch.Tensor:
+    """Keys [B, H, n, D] of rows of very different size with a few offset, wide channels, in a buffer with
+    spare room: "heads", a transposed view of [B, n, H, D] (as attention's projections leave them);
+    "channels", channels not adjacent; "contiguous"."""
+    k = torch.randn(B, H, n, D, generator=gen, dtype=torch.float64)
+    k = k * torch.exp(torch.randn(B, H, n, 1, generator=gen, dtype=torch.float64) * 2)
+    k[..., 1] += 5.0
+    k[..., D - 3] *= 30.0
+    if layout == "contiguous":
+        return k.to(dtype)
+    if layout == "heads":
+        out = torch.zeros(B, n, H, D + 8, dtype=dtype)[..., :D].transpose(1, 2)
+    else:
+        out = torch.zeros(B, H, D, n + 1, dtype=dtype)[..., :n].transpose(2, 3)
+    out.copy_(k)
+    assert out.shape == (B, H, n, D) and not out.is_contiguous()
+    return out
+
+
+def _copies(B: int, H: int, S: int, D: int, form: str, device: str, gen: torch.Generator) -> tuple[Int8Keys, Int8Keys]:
+    """Two equal copies of S positions, written by torch before the checked write: random rows everywhere, and
+    per channel the ranges of a random prompt (so untouched positions and the ranges are checked too)."""
+    copy = new_int8_keys(B, H, S, D, device, per_channel=form == "channel")
+    prompt = (torch.randn(B, H, S, D, generator=gen) * 2 + torch.randn(D, generator=gen) * 3).to(device)
+    write_int8_keys(copy, prompt, start=0, fix_channel=True, backend="torch")
+    return copy, Int8Keys(*(None if t is None else t.clone() for t in copy))
+
+
+def same(a: Int8Keys, b: Int8Keys) -> bool:
+    return all((x is None and y is None) or torch.equal(x, y) for x, y in zip(a, b))
+
+
+def _write_both(copies: tuple[Int8Keys, Int8Keys], k: torch.Tensor, where: str, gen: torch.Generator,
+                fix_channel: bool = False) -> bool:
+    """The same write by torch and by the kernel into the two copies; whether the copies are still equal."""
+    S, n = copies[0].values.shape[2], k.shape[2]
+    kw = dict(start=3) if where == "start" else dict(index=torch.randperm(S, generator=gen)[:n].to(k.device))
+    for copy, backend in zip(copies, ("torch", "triton")):
+        write_int8_keys(copy, k, fix_channel=fix_channel, backend=backend, **kw)
+    return same(*copies)
+
+
+def _case_rows(device: str) -> list[dict]:
+    rows = []
+    for i, (B, H, n, D, dt, form, where, layout) in enumerate(CASES):
+        gen = torch.Generator().manual_seed(1000 + i)
+        k = strided_keys(B, H, n, D, getattr(torch, dt), layout, gen).to(device)
+        copies = _copies(B, H, n + 6, D, form, device, gen)
+        rows.append(dict(case=i, same=_write_both(copies, k, where, gen)))
+    # The prompt's write of a per-channel copy: ranges fixed in torch, then the kernel.
+    gen = torch.Generator().manual_seed(7)
+    k = strided_keys(3, 2, 5, 64, torch.float16, "heads", gen).to(device)
+    rows.append(dict(case="fix_channel", same=_write_both(_copies(3, 2, 9, 64, "channel", device, gen), k, "start",
+                                                         gen, fix_channel=True)))
+    return rows
+
+
+#: Quantised values that tie at .5 (scale 1: max|x| = 127) and their round-half-to-even results.
+TIES = [127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5, -126.5, 63.5, -64.5, 3.25, -3.75]
+TIES_EVEN = [127, 0, 2, 2, 0, -2, -2, 126, -126, 64, -64, 3, -4]
+
+
+def edge_keys(dtype: torch.dtype, chan: torch.Tensor, off: torch.Tensor, per_channel: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows [1, 1, 6, D], each the key ``off + chan * x`` of a row x: zeros, one nonzero channel, ties at .5
+    after the division, the dtype's largest values, tiny ones (subnormal in float32), and a row whose largest
+    value is a tie's 127. Also the ties row's x."""
+    D = chan.numel()
+    fin = torch.finfo(dtype)
+    x = torch.zeros(6, D, dtype=torch.float64)
+    x[1, 5] = -3.0
+    x[2, : len(TIES)] = torch.tensor(TIES, dtype=torch.float64)
+    signs = torch.tensor([1.0, -1.0], dtype=torch.float64).repeat(D // 2)
+    x[4] = signs * torch.arange(1, D + 1, dtype=torch.float64) * (1e-44 if dtype == torch.float32 else fin.tiny)
+    x[5, :4] = torch.tensor([127.0, -126.5, 0.5, 1.5])
+    k = off.double() + chan.double() * x
+    # The largest keys, at the dtype's limit; per channel below 2^116, where (k - o) / c stays finite (keybound).
+    big = fin.max if not per_channel or dtype == torch.float16 else 2.0**100
+    k[3] = signs * big * torch.linspace(1.0, 0.25, D, dtype=torch.float64)
+    return k.to(dtype)[None, None], x[2]
+
+
+def _edge_rows(device: str) -> list[dict]:
+    """Edge rows through both writes: equal copies, the ties rounded half to even, zero rows at the least scale."""
+    rows = []
+    D = 64
+    for form in ("row", "channel"):
+        for dt in (torch.float16, torch.bfloat16, torch.float32):
+            chan, off = torch.ones(D), torch.zeros(D)
+            if form == "channel":  # powers of two; offsets off the ties' channels: their keys exact in every dtype
+                chan = torch.tensor([1.0, 0.5, 0.25, 2.0, CHANNEL_FLOOR] * 13)[:D]
+                off = torch.where(torch.arange(D) < 16, 0.0, torch.tensor([0.25, -3.0, 1.0, 0.0])[torch.arange(D) % 4])
+            copy = new_int8_keys(1, 1, 10, D, device, per_channel=form == "channel")
+            if form == "channel":
+                copy.channel.copy_(chan)
+                copy.offset.copy_(off)
+            k, ties = edge_keys(dt, chan, off, form == "channel")
+            xr = ((k[0, 0, 2].float() - off) / chan).double()  # x of the ties row, as both writes compute it
+            copies = (copy, Int8Keys(*(None if t is None else t.clone() for t in copy)))
+            gen = torch.Generator().manual_seed(3)
+            equal = _write_both(copies, k.to(device), "start", gen)  # rows 0-5 at positions 3-8
+            values, scales = copies[1].values.cpu(), copies[1].scales.cpu()
+            least = 2.0**-116 if form == "channel" else 2.0**-126
+            rows.append(dict(
+                form=form, dtype=str(dt),
+                same=equal and _write_both(copies, k.to(device)[:, :, 1:3], "index", gen),
+                ties_exact=bool(torch.equal(xr[: len(TIES)], ties[: len(TIES)])),
+                ties_even=values[0, 0, 5, : len(TIES)].tolist() == TIES_EVEN,
+                tie_scale=float(scales[0, 0, 5]),
+                zero_row=bool((values[0, 0, 3] == 0).all()) and float(scales[0, 0, 3]) == least,
+                one_channel=values[0, 0, 4, 5].item() == -127 and int(values[0, 0, 4].abs().sum()) == 127,
+                big_finite=bool(torch.isfinite(scales[0, 0, 6])) and int(values[0, 0, 6].abs().max()) == 127,
+            ))
+    return rows
+
+
+def _worker(device: str = "cpu") -> dict:
+    return {"cases": _case_rows(device), "edges": _edge_rows(device)}
+
+
+def check_worker(res: dict) -> None:
+    assert len(res["cases"]) == len(CASES) + 1
+    for r in res["cases"]:
+        assert r["same"], r
+    assert len(res["edges"]) == 6
+    for r in res["edges"]:
+        assert r["same"] and r["ties_exact"] and r["ties_even"] and r["tie_scale"] == 1.0, r
+        assert r["zero_row"] and r["one_channel"] and r["big_finite"], r
+
+
+@pytest.mark.interpreted(("--triton-worker",))
+def test_triton_key_write_matches_torch():
+    check_worker(triton_worker(__file__))
+
+
+def test_key_write_backend_choice():
+    """On the CPU "auto" writes by torch; "triton" is refused there without the interpreter, and for float64."""
+    keys = new_int8_keys(1, 1, 4, 8, "cpu")
+    write_int8_keys(keys, torch.ones(1, 1, 2, 8), start=1)
+    assert bool((keys.values[0, 0, 1:3] == 127).all())
+    with pytest.raises(ValueError, match="unknown backend"):
+        write_int8_keys(keys, torch.ones(1, 1, 2, 8), start=1, backend="cuda")
+    pytest.importorskip("triton")
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        write_int8_keys(keys, torch.ones(1, 1, 2, 8), start=1, backend="triton")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_key_write_matches_torch_and_captures():
+    """On the GPU: the same checks; the copy equal to the CPU's torch write; the one-token write at a device
+    position replayed from a CUDA graph; "auto" takes the kernel there."""
+    check_worker(_worker("cuda"))
+    gen = torch.Generator().manual_seed(11)
+    for form in ("row", "channel"):
+        k = strided_keys(2, 4, 29, 128, torch.bfloat16, "heads", gen)
+        cpu = new_int8_keys(2, 4, 40, 128, "cpu", per_channel=form == "channel")
+        dev = new_int8_keys(2, 4, 40, 128, "cuda", per_channel=form == "channel")
+        write_int8_keys(cpu, k, start=2, fix_channel=True)
+        write_int8_keys(dev, k.cuda(), start=2, fix_channel=True)
+        assert same(cpu, Int8Keys(*(None if t is None else t.cpu() for t in dev))), form
+        pos = torch.tensor([35], device="cuda")
+        new = torch.empty(2, 4, 1, 128, dtype=torch.bfloat16, device="cuda")
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            write_int8_keys(dev, new.normal_(), index=pos)  # compiled before the capture
+        torch.cuda.current_stream().wait_stream(side)
+        write_int8_keys(cpu, new.cpu(), start=35)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=side):
+            write_int8_keys(dev, new, index=pos)
+        for step in range(3):
+            new.copy_(torch.randn(2, 4, 1, 128, generator=gen).to(torch.bfloat16))
+            pos.fill_(30 + step)
+            graph.replay()
+            write_int8_keys(cpu, new.cpu(), start=30 + step)
+        torch.cuda.synchronize()
+        assert same(cpu, Int8Keys(*(None if t is None else t.cpu() for t in dev))), form
+
+
+if __name__ == "__main__" and "--triton-worker" in sys.argv:
+    print(json.dumps(_worker()))
