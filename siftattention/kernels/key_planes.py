@@ -2,7 +2,8 @@
 
 The key-bound step (``keybound.py``) keeps an int8 copy of every key row beside the 16-bit cache: D + 4
 bytes a row, +25.8% of a 16-bit KV cache at D = 128. Here the cache's keys *are* 16-bit fixed point,
-split into a high and a low byte, and the high plane is the int8 copy:
+split into a high and a low byte, and the high plane serves as the int8 copy (its scale at most 2^-7 above
+the copy's):
 
 - Per row (per channel as ``keybound.quantize_keys``: the rows ``x = (k - o) / c`` with the prompt's
   channel scales and offsets, ``keybound.key_rows``) the least scale ``M = max(max|x| / 127, floor)``
@@ -13,7 +14,7 @@ split into a high and a low byte, and the high plane is the int8 copy:
   ``h = floor((w + floor(m / 2)) / m)`` in [-127, 127] (int8) and the low plane ``l = w - m h`` in
   [-128, 127] (int8), ``|l| <= m / 2``. The stored key is ``x_s = g w = c h + g l`` (per channel
   ``o + c_d x_s``): 2 bytes a channel and 4 a row, the 16-bit cache's size plus 4 bytes a row (+0.8% of
-  a 16-bit KV cache at D = 128; per channel and 8 D per (batch row, KV head) as the copy).
+  a 16-bit KV cache at D = 128; per channel 8 D more per (batch row, KV head), as the copy).
 
 Exactness is with respect to the stored keys, and inherited from ``keybound.py``:
 ``|x_s - c h| = g |l| <= g m / 2 = c / 2`` holds exactly in every channel (integers times powers of
@@ -24,13 +25,15 @@ bounds the stored key's exact score: ``|sm q . k_s - s_hat| <= e`` with the same
 whose float32 terms (the dot, ``q' = q c``, ``q . o``, what follows) are the same computations; the
 quantisation's own rounding, which the copy's margin also absorbs, is not even needed here. The rest of
 the step (``T_lo``, candidates, ``Z_est``, ``T_est``, epsilon) is ``keybound_step_torch`` with the stored
-keys as the cache: the kept set is the float64 rule's on the stored keys except keys within epsilon.
+keys as the cache: the kept set is the float64 rule's on the stored keys except keys within epsilon (and
+the float32 rounding the exact step has: the reference's stored keys are float32, exact per row, rounded
+to 2^-24 relative per channel, ``o + c_d x_s``).
 
 What the stored key loses against the 16-bit key it came from (per row; ``x = k``): nothing in any
 element with ``|k| >= 2^7 g`` for bfloat16 keys (``2^10 g`` for float16): those are multiples of ``g``
 below ``127 m g``, so ``w = k / g`` exactly; ``2^7 g`` lies in ``[M / 2, M)``, between ``max|k| / 254``
 and ``max|k| / 127``. Smaller elements are rounded to the grid: ``|k - x_s| <= g / 2 < max|k| / 32512``
-(bfloat16 keeps ``2^-8 |k|``; float32 keys have no exact elements). Per channel the grid is ``c_d g``
+(bfloat16 keeps ``2^-8 |k|``; for float32 keys no element is sure to be exact). Per channel the grid is ``c_d g``
 in each channel and nothing is kept exactly: ``|k - k_s| <= c_d g / 2 (1 + 2^-6)``, the ``2^-6`` covering
 float32 rounding of ``(k - o) / c``. How far the stored keys' scores and kept sets are from the 16-bit
 keys' is measured (``benchmarks/studies/key_planes.py``), not bounded here.
