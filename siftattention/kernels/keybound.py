@@ -124,16 +124,22 @@ def quantize_keys(k: torch.Tensor, channel: tuple[torch.Tensor, torch.Tensor] | 
     With ``channel`` (scales and offsets ``(c, o)`` from ``channel_ranges``, or True to take them from ``k``):
     row factor ``r = max(max_d |k_d - o_d| / c_d / 127, 2^-116)`` and ``k_hat = round((k - o) / c / r)``, so
     that ``|k_d - o_d - r c_d k_hat_d| <= r c_d / 2``; rows beyond the channels' ranges only get a larger ``r``."""
+    x, scales, c, o = key_rows(k, channel)
+    values = torch.round(x / scales[..., None]).clamp_(-QMAX, QMAX).to(torch.int8)
+    return Int8Keys(values, scales.float(), c, o)
+
+
+def key_rows(k: torch.Tensor, channel: tuple[torch.Tensor, torch.Tensor] | bool | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """What ``quantize_keys`` rounds: the rows ``x`` (``k`` in float32, float64 for float64; per channel
+    ``(k - o) / c``), each row's least scale ``max(max|x| * INV_QMAX, floor)`` (``x.dtype``) and the channel scales
+    and offsets (float32; None per row)."""
     kf = k.to(torch.float64 if k.dtype == torch.float64 else torch.float32)
     if channel is None or channel is False:
-        scales = (kf.abs().amax(-1) * INV_QMAX).clamp_min(_TINY)
-        values = torch.round(kf / scales[..., None]).clamp_(-QMAX, QMAX).to(torch.int8)
-        return Int8Keys(values, scales.float())
+        return kf, (kf.abs().amax(-1) * INV_QMAX).clamp_min(_TINY), None, None
     c, o = channel_ranges(k) if channel is True else channel
     x = (kf - o.to(kf.dtype)[:, :, None, :]) / c.to(kf.dtype)[:, :, None, :]
-    scales = (x.abs().amax(-1) * INV_QMAX).clamp_min(_TINY_ROW)
-    values = torch.round(x / scales[..., None]).clamp_(-QMAX, QMAX).to(torch.int8)
-    return Int8Keys(values, scales.float(), c.float(), o.float())
+    return x, (x.abs().amax(-1) * INV_QMAX).clamp_min(_TINY_ROW), c.float(), o.float()
 
 
 def new_int8_keys(batch: int, kv_heads: int, max_len: int, head_dim: int, device: torch.device | str,
@@ -285,7 +291,7 @@ def sift_keybound_decode_torch(
 
 def keybound_bytes(batch: int, kv_heads: int, keys: int | float, head_dim: int, elem_bytes: int,
                    candidate_rows: int | float, v_rows: int | float, per_channel: bool = False,
-                   group: int = 0) -> dict[str, float]:
+                   group: int = 0, planes: bool = False) -> dict[str, float]:
     """Bytes one key-bound step must read: the int8 keys and their scales (``keys`` valid positions per
     (batch, KV head) row; ``per_channel``: and the channel scales and offsets of each (batch, KV head)), the candidates'
     full K rows and the kept V rows (both counts summed over the batch and KV heads), against the dense
@@ -294,10 +300,12 @@ def keybound_bytes(batch: int, kv_heads: int, keys: int | float, head_dim: int, 
     candidates' positions and reads them back and overwrites their estimates with exact scores, and the filter
     pass reads every score again (the exact step writes and reads a score per key and head: ``2 * 4 * group``
     bytes a key row; neither counts the filter pass's compaction of its kept rows). Kept apart from ``total``:
-    much of it may stay in L2; ``total_with_scores`` counts it all."""
+    much of it may stay in L2; ``total_with_scores`` counts it all. ``planes``: keys stored as two byte planes
+    (``key_planes.py``): the scan reads the high plane (as the int8 copy), a candidate only its low plane
+    (``head_dim`` bytes), the scan's dot of its high plane being kept; ``dense`` stays the 16-bit cache's."""
     rows = batch * kv_heads * keys
     scan = rows * (head_dim + 4) + (batch * kv_heads * head_dim * 8 if per_channel else 0)
-    k_full = candidate_rows * head_dim * elem_bytes
+    k_full = candidate_rows * head_dim * (1 if planes else elem_bytes)
     v = v_rows * head_dim * elem_bytes
     total = scan + k_full + v
     scores = 3 * rows * 4 * group + candidate_rows * (4 * group + 2 * 4) if group else 0
