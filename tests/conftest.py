@@ -122,6 +122,32 @@ def pytest_collection_finish(session):
             _FUTURES.setdefault(key, _BACKGROUND.submit(_interpreted_run, *key))
 
 
+# torch's threads spin at the end of every parallel op until all have arrived; one that shares a core
+# with an interpreted run stalls them all, which made small-model tests up to ten times slower. While
+# runs are pending, the one in the background takes a core from this process and from the
+# subprocesses a test starts (a test that waits for runs computes nothing meanwhile).
+_THREADS = torch.get_num_threads()
+_OMP_NUM_THREADS = os.environ.get("OMP_NUM_THREADS")
+
+
+def _interpreted_pending() -> bool:
+    with _LOCK:
+        return any(not fut.done() for fut in _FUTURES.values())
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """Each test starts with the threads the cores left by the interpreted runs allow (see above)."""
+    threads = max(1, _THREADS - 1) if _interpreted_pending() else _THREADS
+    torch.set_num_threads(threads)
+    if threads < _THREADS:
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+    elif _OMP_NUM_THREADS is None:
+        os.environ.pop("OMP_NUM_THREADS", None)
+    else:
+        os.environ["OMP_NUM_THREADS"] = _OMP_NUM_THREADS
+
+
 def pytest_sessionfinish(session):
     """Runs still queued are dropped, running ones ended (a run the tests did not wait for is of no use)."""
     if _BACKGROUND is not None:
