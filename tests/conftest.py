@@ -4,7 +4,8 @@ The Triton kernels are checked under Triton's CPU interpreter, in subprocesses (
 ``make test`` runs every kernel configuration and code path at least once against its float64
 reference; ``SIFT_FULL_KERNEL_TESTS=1`` runs the full matrix (the sizes and combinations that repeat a
 path: tests/test_kernels.py's docstring lists them). The interpreted runs start ahead, in the
-background, when collection ends (the ``interpreted`` mark, below).
+background, when collection ends, and the tests that read them run last (the ``interpreted`` mark,
+below).
 """
 
 from __future__ import annotations
@@ -100,6 +101,16 @@ def triton_worker(test_file: str) -> dict:
 def pytest_configure(config):
     config.addinivalue_line("markers", "interpreted(*runs): the test reads run_interpreted(its file, *run) for each "
                                        "run (a tuple of arguments); these start ahead, in the background")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """The tests that read interpreted runs go last, in their order: the runs then have the rest of the
+    session to finish on the core the other tests leave, instead of being waited for midway."""
+    if importlib.util.find_spec("triton") is None:
+        return
+    waiting = [item for item in items if item.get_closest_marker("interpreted")]
+    if waiting:
+        items[:] = [item for item in items if not item.get_closest_marker("interpreted")] + waiting
 
 
 def pytest_collection_finish(session):
