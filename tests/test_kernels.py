@@ -9,8 +9,8 @@ Every interpreted case and kernel configuration runs in ``make test``, against f
 ``SIFT_FULL_KERNEL_TESTS=1`` adds:
 
 - the quantile's sampled bracket at its production sizes (256 and 512 keys), whose sort costs
-  the interpreter about 1.5 s a row. By default the warmup steps sort 64-key samples with
-  the margin scaled alike, and the radix-select check takes 64-key samples whose margins
+  the interpreter about 1.5 s a row. By default the warmup steps sort 32-key samples with
+  the margin scaled alike, and the radix-select check takes 32-key samples whose margins
   miss as the full list's do (``SMALL``, ``radix_select_variants``; docs/kernels.md);
 - the edge thresholds (one key, every key) of the Triton sparse step with both renormalize
   settings: by default each case runs "one" without and "all" with renormalisation, and
@@ -766,9 +766,10 @@ def test_functional_api_eta_edges_and_starts():
 # ----------------------------------------------------------------------------- triton (interpreter)
 
 FULL = full_kernel_tests()
-# Every warmup row below is shorter than 64 keys: a 64-key sample with margin 4 brackets about n/16 keys either
-# side of the wanted rank, as the default 512 and 32 do, on the same paths, for a fraction of the interpreter's sort.
-SAMPLE_SMALL = {} if FULL else dict(quantile_sample=64, quantile_margin=4)
+# Every warmup row below is shorter than 64 keys: a 32-key sample with margin 2 brackets about n/16 keys either
+# side of the wanted rank, as the default 512 and 32 do, on the same paths, for a fraction of the interpreter's sort
+# (of 64 keys: 2.4 times as long).
+SAMPLE_SMALL = {} if FULL else dict(quantile_sample=32, quantile_margin=2)
 # (B, Hq, Hkv, S, D, dtype, config overrides). Small blocks and splits so that odd
 # lengths cross tile, split and compaction boundaries.
 SMALL = dict(block_n1=16, block_n2=16, block_a=32, scan_elems=0, min_split1=16, min_split2=16, quantile_block=32,
@@ -1043,14 +1044,17 @@ def radix_select_variants(parallel: bool, full: bool = True) -> list[dict]:
                 for sparse_from in (0, 2, 4)]
     # The sampled bracket: 0 and 2 sample ranks either side (often missed: the full select
     # runs), 32 (the default; rarely), 8 of a sample of 64 (keys outside the bracket in the last bucket).
-    # Not full, 64-key samples only: margins 0, 2 and 4 miss on 7, 1 and 0 of the 12 crafted rows
-    # (256 / 0, 512 / 2 and 512 / 32 on 4, 1 and 0).
-    brackets = ((256, 0), (512, 2), (512, 32), (64, 8)) if full else ((64, 0), (64, 2), (64, 4), (64, 8))
+    # Not full, 32-key samples only: margins 0, 2 and 4 miss on 7, 1 and 0 of the 12 crafted rows
+    # (256 / 0, 512 / 2 and 512 / 32 on 4, 1 and 0), and 4 leaves keys outside the bracket in the
+    # last bucket on the rows where 8 of 64 does.
+    brackets = ((256, 0), (512, 2), (512, 32), (64, 8)) if full else ((32, 0), (32, 2), (32, 4))
     variants += [dict(quantile_parallel=parallel, quantile_sample=sample, quantile_margin=margin)
                  for sample, margin in brackets]
-    # Digits of 12 bits (up to 3 passes) and 4 bits (up to 8) inside the bracket.
-    variants += [dict(quantile_parallel=parallel, quantile_sample=64, quantile_margin=margin,
-                      quantile_bracket_bits=bits, quantile_long_row=0) for margin, bits in ((8, 12), (2, 12), (8, 4))]
+    # Digits of 12 bits (up to 3 passes) and 4 bits (up to 8) inside the bracket (not full: 32-key
+    # samples, with margins that miss and leave keys in the last bucket as those of 64 keys do).
+    sample, digits = (64, ((8, 12), (2, 12), (8, 4))) if full else (32, ((4, 12), (2, 12), (4, 4)))
+    variants += [dict(quantile_parallel=parallel, quantile_sample=sample, quantile_margin=margin,
+                      quantile_bracket_bits=bits, quantile_long_row=0) for margin, bits in digits]
     return variants
 
 
@@ -1096,7 +1100,7 @@ def radix_repeats(i: int) -> bool:
     """Which of ``radix_select_variants``' configurations the interpreter calls twice: by default the
     first of each group (full select, sampled bracket, bracket digits), with SIFT_FULL_KERNEL_TESTS=1 all;
     the state every call leaves is checked on all."""
-    return FULL or i in (0, 3, 7)
+    return FULL or i in (0, 3, 6)
 
 
 @pytest.fixture(scope="module")
