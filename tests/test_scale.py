@@ -1,10 +1,10 @@
 """Methods inside transformers' tensor parallelism and accelerate device maps (CPU).
 
 Tensor parallelism runs for real: two ranks started by ``torch.distributed.run`` on the
-gloo backend load a small random model with ``tp_plan="auto"`` (each rank holds half of
-the heads) and run every method; their logits, tokens and statistics must equal those
-of the same model in one process. The device map offloads a layer to disk, so
-accelerate's hooks move its weights in at every forward.
+gloo backend load two small random models (Llama, Qwen2) in turn with ``tp_plan="auto"``
+(each rank holds half of the heads) and run every method; their logits, tokens and
+statistics must equal those of the same model in one process. The device map offloads a
+layer to disk, so accelerate's hooks move its weights in at every forward.
 """
 
 from __future__ import annotations
@@ -74,10 +74,18 @@ def _run(model) -> dict:
     return out
 
 
-def _worker(model_dir: str, out_dir: str) -> None:
+def _worker(base: str, *names: str) -> None:
+    """Each rank's results for the models saved under ``base``/name/model, into ``base``/name."""
+    warnings.filterwarnings("ignore")
+    for name in names:
+        _rank_results(str(Path(base) / name / "model"), Path(base) / name)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+def _rank_results(model_dir: str, out_dir: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    warnings.filterwarnings("ignore")
     model = AutoModelForCausalLM.from_pretrained(model_dir, tp_plan="auto", dtype=torch.float32).eval()
     rank = torch.distributed.get_rank()
     attn = model.model.layers[0].self_attn
@@ -93,27 +101,33 @@ def _worker(model_dir: str, out_dir: str) -> None:
     with apply(model, foreign), torch.inference_mode():
         model(_inputs()[0])
     res["threshold_heads"] = (before, foreign.thresholds.shape[1])
-    torch.save(res, Path(out_dir) / f"rank{rank}.pt")
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    torch.save(res, out_dir / f"rank{rank}.pt")
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
-def tensor_parallel_run(request, tmp_path_factory):
-    """(single-process results, per-rank results) of one model."""
+@pytest.fixture(scope="module")
+def tensor_parallel_runs(tmp_path_factory):
+    """{model: (single-process results, per-rank results)}, both models from one launch (the ranks'
+    start, importing torch and transformers, costs more than their work)."""
     # An even vocabulary: transformers 5.17 shards the output layer and asks it to divide by the ranks.
-    model = tiny_llama(heads=4, kv_heads=2, vocab=98) if request.param == "llama" else tiny_qwen2(seed=1, kv_heads=2, vocab=98)
-    base = tmp_path_factory.mktemp(f"tp_{request.param}")
-    model.save_pretrained(base / "model")
+    models = {"llama": tiny_llama(heads=4, kv_heads=2, vocab=98), "qwen2": tiny_qwen2(seed=1, kv_heads=2, vocab=98)}
+    base = tmp_path_factory.mktemp("tp")
+    for name, model in models.items():
+        model.save_pretrained(base / name / "model")
     root = Path(__file__).resolve().parent.parent
     env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{root / 'tests'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
            "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(RANKS),
-           __file__, "--worker", str(base / "model"), str(base)]
+           __file__, "--worker", str(base), *models]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    ranks = [torch.load(base / f"rank{r}.pt") for r in range(RANKS)]
-    return _run(model), ranks
+    return {name: (_run(model), [torch.load(base / name / f"rank{r}.pt") for r in range(RANKS)])
+            for name, model in models.items()}
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def tensor_parallel_run(request, tensor_parallel_runs):
+    """(single-process results, per-rank results) of one model."""
+    return tensor_parallel_runs[request.param]
 
 
 def test_every_rank_holds_a_shard_of_the_heads(tensor_parallel_run):
@@ -248,4 +262,4 @@ def test_commands_that_do_not_shard_refuse_torchrun_in_one_line(monkeypatch, cap
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
-    _worker(*sys.argv[2:4])
+    _worker(*sys.argv[2:])
