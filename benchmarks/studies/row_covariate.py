@@ -22,7 +22,10 @@ the decode. Scores, softmax, quantiles and everything after in float64; the quan
 - ``sift``: the shipped prompt calibration, the 64 geometrically spaced prompt rows of
   ``PromptCalibration`` (weights scaled to 1 / (1 - 0.9) = 10 points), recalibrated every 64 decode rows with
   the row's exact point, earlier points weighted by 0.9 (``Sift.recalibrate_every`` / ``recalibrate_decay``);
-- ``dense``: every prompt row with S >= 8, no recalibration.
+- ``dense``: every prompt row with S >= 8, no recalibration;
+- ``uniform``: as many prompt rows as ``sift`` samples, evenly spaced in S instead of geometrically, recalibrated
+  as ``sift`` (plain law only);
+- ``dense_recal``: every prompt row with S >= 8, recalibrated as ``sift`` (plain law only).
 
 Keep rule as Sift's: ``p > eta`` and the row's maximum always kept. Pass 1 measures, over every decode row,
 ``log(theta_hat / theta)`` and the kept fraction, and the mean kept fraction / dropped mass on a grid of
@@ -33,6 +36,7 @@ value-mean compensation (dropped mass times the mean of the row's valid value ro
 (exact quantile per row) and Top-k (``ceil((1 - tau) S)`` keys).
 
     .venv/bin/python benchmarks/studies/row_covariate.py --model smollm2-135m --seq-len 4096 --windows 2 --out rc.json
+    .venv/bin/python benchmarks/studies/row_covariate.py --model smollm2-135m --seq-len 2048 --windows 1 --taus 0.75,0.875 --out calib.json
 """
 
 from __future__ import annotations
@@ -60,7 +64,7 @@ PREDICTORS = {  # feature columns after [1, log S]
     "fb": ("logfprev",),
     "pmax_fb": ("logpmax", "logfprev"),
 }
-CALIBS = ("sift", "dense")
+CALIBS = ("sift", "dense", "uniform", "dense_recal")
 RECAL_EVERY, DECAY = 64, 0.9
 SHIFTS = np.round(np.arange(-1.2, 1.2001, 0.1), 6)  # intercept shifts (nats) of pass 1's grid
 OFFSETS = (-0.1, -0.05, 0.0, 0.05, 0.1)  # pass 2: around pass 1's shift, to interpolate to equal sparsity exactly
@@ -144,12 +148,14 @@ def analyze_head(q, k, scaling, window, P, taus, calib_rows):
     logS = np.log(S)
     D = T - P
     dec = np.arange(P, T)
-    fit_rows = {"sift": calib_rows, "dense": np.flatnonzero((S >= 8) & (np.arange(T) < P))}
+    prompt_rows = np.flatnonzero((S >= 8) & (np.arange(T) < P))
+    uniform = np.unique(np.round(np.linspace(prompt_rows[0], prompt_rows[-1], len(calib_rows))).astype(int))
+    fit_rows = {"sift": calib_rows, "dense": prompt_rows, "uniform": uniform, "dense_recal": prompt_rows}
     out = {"logtheta": logtheta[dec], "S": S[dec], "pred": {}}
     for ti, tau in enumerate(taus):
         y = logtheta[:, ti]
         for calib in CALIBS:
-            fr, recal = fit_rows[calib], calib == "sift"
+            fr, recal = fit_rows[calib], calib != "dense"
             base = {"logpmax": lpm, "lse": lse}
             X0 = np.stack([np.ones(T), logS], -1)
             plain = predict(X0[fr], y[fr], X0[dec], y[dec], recal)
@@ -164,7 +170,7 @@ def analyze_head(q, k, scaling, window, P, taus, calib_rows):
             base["logfprev"] = np.log(fprev)
             preds = {"plain": plain}
             for name, cols in PREDICTORS.items():
-                if name == "plain":
+                if name == "plain" or calib not in ("sift", "dense"):
                     continue
                 X = np.stack([np.ones(T), logS] + [base[c] for c in cols], -1)
                 preds[name] = predict(X[fr], y[fr], X[dec], y[dec], recal)
@@ -372,7 +378,9 @@ def main() -> None:
         "error_stride": args.error_stride, "pass2_rows": int(err["err"].shape[0]), "pass1_rows": int(nrows),
         "predictors": {k_: ["1", "logS", *v_] for k_, v_ in PREDICTORS.items()},
         "calibrations": {"sift": "64 geometric prompt rows (PromptCalibration), recalibrated every 64 decode rows, decay 0.9",
-                         "dense": "every prompt row with S >= 8, no recalibration"},
+                         "dense": "every prompt row with S >= 8, no recalibration",
+                         "uniform": "as many prompt rows as sift, evenly spaced in S, recalibrated as sift",
+                         "dense_recal": "every prompt row with S >= 8, recalibrated as sift"},
         "oracle_kept_mean": {str(t): float(v_) for t, v_ in oracle_kept.items()},
         "oracle_kept_mean_pass2": {str(t): float(v_) for t, v_ in eq_target.items()},
         "timing_s": {"pass1": round(t1 - t0, 1), "pass2": round(t2 - t1, 1)},
