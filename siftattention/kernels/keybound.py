@@ -170,17 +170,25 @@ def write_int8_keys(keys: Int8Keys, k: torch.Tensor, start: int | None = None, i
     positions ``index`` [n] (no host sync: the fast loop's one-token writes). A per-channel copy takes
     its channel scales and offsets from ``k`` where ``fix_channel`` (the prompt's write; ``starts`` [B]: from
     the rows at or after ``starts[b]`` only, as ``channel_ranges``), else keeps them. ``backend``: "auto" writes
-    float16, bfloat16 and float32 keys on CUDA by one Triton launch (``triton_key_write``, bit for bit
-    ``quantize_keys``), else by torch ops ("torch"); "triton" forces the kernel (on the CPU under
-    ``TRITON_INTERPRET=1``). The channel ranges are fixed in torch either way (once per prompt)."""
+    float16, bfloat16 and float32 keys on CUDA by one Triton launch (``triton_key_write``), float32 keys on the
+    CPU by one call of the fused C++ extension where it builds (``cpu_decode.write_int8_keys_cpu``), both bit
+    for bit ``quantize_keys``, and the rest by torch ops ("torch", the reference); "triton" forces the kernel
+    (on the CPU under ``TRITON_INTERPRET=1``), "cpu" the C++ writer. The channel ranges are fixed in torch
+    either way (once per prompt)."""
     if keys.channel is not None and fix_channel:
         c, o = channel_ranges(k, starts)
         keys.channel.copy_(c)
         keys.offset.copy_(o)
-    if _triton_writes(k, backend):
+    writer = _key_writer(k, backend)
+    if writer == "triton":
         from .triton_key_write import write_int8_keys_triton
 
         write_int8_keys_triton(keys, k, start, index)
+        return
+    if writer == "cpu":
+        from .cpu_decode import write_int8_keys_cpu
+
+        write_int8_keys_cpu(keys, k, start, index)
         return
     new = quantize_keys(k, None if keys.channel is None else (keys.channel, keys.offset))
     if index is not None:
@@ -195,18 +203,27 @@ def write_int8_keys(keys: Int8Keys, k: torch.Tensor, start: int | None = None, i
 _WRITER_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _triton_writes(k: torch.Tensor, backend: str) -> bool:
-    """Whether ``write_int8_keys`` takes the Triton writer for ``k`` under ``backend`` (see there)."""
+def _key_writer(k: torch.Tensor, backend: str) -> str:
+    """The writer ``write_int8_keys`` takes for ``k`` under ``backend`` (see there): "triton", "cpu" or "torch"."""
     from .plan import resolve_backend, triton_available  # plan imports this module
 
-    if backend not in ("auto", "torch", "triton"):
-        raise ValueError(f"unknown backend {backend!r}; expected 'auto', 'torch' or 'triton'")
+    if backend not in ("auto", "torch", "triton", "cpu"):
+        raise ValueError(f"unknown backend {backend!r}; expected 'auto', 'torch', 'triton' or 'cpu'")
     if backend == "triton":
         resolve_backend(backend, k.device)  # the one-line refusal where Triton cannot run
         if k.dtype not in _WRITER_DTYPES:
             raise ValueError(f"the Triton key writer takes float16, bfloat16 or float32 keys, got {k.dtype}")
-        return True
-    return backend == "auto" and k.is_cuda and k.dtype in _WRITER_DTYPES and triton_available()
+        return "triton"
+    if backend == "cpu":
+        resolve_backend(backend, k.device, k.dtype)  # refuses other devices and dtypes, and a kernel that cannot build
+        return "cpu"
+    if backend == "auto" and k.is_cuda and k.dtype in _WRITER_DTYPES and triton_available():
+        return "triton"
+    if backend == "auto" and k.device.type == "cpu" and k.dtype == torch.float32:
+        from . import cpu_decode
+
+        return "cpu" if cpu_decode.available() else "torch"
+    return "torch"
 
 
 def score_bounds(q: torch.Tensor, keys: Int8Keys, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
