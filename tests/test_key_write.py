@@ -210,6 +210,13 @@ def test_cpu_key_write_matches_torch():
         if not _write_both(_copies(B, H, n + 6, D, form, "cpu", gen), k, where, gen, kernel="cpu"):
             failed.append((B, H, n, D, form, where, layout))
     assert not failed
+    # The prompt's write of a per-channel copy (ranges fixed in torch, then the kernel), into one batch row's views
+    # of the copy as ``FixedLayer.finish_prompt`` writes it.
+    gen = torch.Generator().manual_seed(7)
+    k = strided_keys(3, 2, 5, 64, torch.float32, "heads", gen)
+    copies = _copies(3, 2, 9, 64, "channel", "cpu", gen)
+    rows = tuple(Int8Keys(*(t[1:2] for t in copy)) for copy in copies)
+    assert _write_both(rows, k[1:2], "start", gen, fix_channel=True, kernel="cpu") and same(*copies)
 
 
 def test_cpu_key_write_edges_and_positions():

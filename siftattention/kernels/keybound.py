@@ -186,9 +186,7 @@ def write_int8_keys(keys: Int8Keys, k: torch.Tensor, start: int | None = None, i
         write_int8_keys_triton(keys, k, start, index)
         return
     if writer == "cpu":
-        from .cpu_decode import write_int8_keys_cpu
-
-        write_int8_keys_cpu(keys, k, start, index)
+        _cpu_kernel().write_int8_keys_cpu(keys, k, start, index)
         return
     new = quantize_keys(k, None if keys.channel is None else (keys.channel, keys.offset))
     if index is not None:
@@ -201,29 +199,39 @@ def write_int8_keys(keys: Int8Keys, k: torch.Tensor, start: int | None = None, i
 
 
 _WRITER_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_WRITE_BACKENDS = ("auto", "torch", "triton", "cpu")
+_cpu_decode = None  # kernels.cpu_decode, imported on first use (it imports this module)
+
+
+def _cpu_kernel():
+    """The module of the fused CPU extension (``cpu_decode``), imported once: a decode step's write asks for it
+    in every layer."""
+    global _cpu_decode
+    if _cpu_decode is None:
+        from . import cpu_decode
+
+        _cpu_decode = cpu_decode
+    return _cpu_decode
 
 
 def _key_writer(k: torch.Tensor, backend: str) -> str:
     """The writer ``write_int8_keys`` takes for ``k`` under ``backend`` (see there): "triton", "cpu" or "torch"."""
-    from .plan import resolve_backend, triton_available  # plan imports this module
-
-    if backend not in ("auto", "torch", "triton", "cpu"):
+    if backend not in _WRITE_BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; expected 'auto', 'torch', 'triton' or 'cpu'")
-    if backend == "triton":
-        resolve_backend(backend, k.device)  # the one-line refusal where Triton cannot run
-        if k.dtype not in _WRITER_DTYPES:
-            raise ValueError(f"the Triton key writer takes float16, bfloat16 or float32 keys, got {k.dtype}")
-        return "triton"
-    if backend == "cpu":
-        resolve_backend(backend, k.device, k.dtype)  # refuses other devices and dtypes, and a kernel that cannot build
-        return "cpu"
-    if backend == "auto" and k.is_cuda and k.dtype in _WRITER_DTYPES and triton_available():
-        return "triton"
-    if backend == "auto" and k.device.type == "cpu" and k.dtype == torch.float32:
-        from . import cpu_decode
+    if backend == "auto":
+        if k.is_cpu:  # the CPU first: its checks are the cheap ones, once a layer per decode step
+            return "cpu" if k.dtype == torch.float32 and _cpu_kernel().available() else "torch"
+        from .plan import triton_available  # plan imports this module
 
-        return "cpu" if cpu_decode.available() else "torch"
-    return "torch"
+        return "triton" if k.is_cuda and k.dtype in _WRITER_DTYPES and triton_available() else "torch"
+    if backend == "torch":
+        return "torch"
+    from .plan import resolve_backend
+
+    resolve_backend(backend, k.device, k.dtype if backend == "cpu" else None)  # the one-line refusals
+    if backend == "triton" and k.dtype not in _WRITER_DTYPES:
+        raise ValueError(f"the Triton key writer takes float16, bfloat16 or float32 keys, got {k.dtype}")
+    return backend
 
 
 def score_bounds(q: torch.Tensor, keys: Int8Keys, scale: float) -> tuple[torch.Tensor, torch.Tensor]:

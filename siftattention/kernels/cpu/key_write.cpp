@@ -20,18 +20,13 @@
 #error "key_write.cpp must be compiled without -ffast-math: the int8 key copy is bit for bit torch's"
 #endif
 
-#include <ATen/Parallel.h>
-
 #include "common.h"
 
 namespace {
 
-// Elements (rows x head_dim) a thread takes at least: a decode step's write (B * Hkv rows of one key) runs on
-// the calling thread, where handing it to the pool would cost more than the work.
-constexpr int64_t kWriteGrain = 1 << 15;
-
-// One key row: the row's scale; its int8 values into q. x holds the row in float32 (per channel, (k - o) / c).
-inline float quantize_row(const float* x, int64_t D, float inv_q, float least, int8_t* q, int64_t q_stride) {
+// One key row x (float32; per channel (k - o) / c), D values: its scale; its int8 values into q (contiguous, so
+// that every loop vectorises: vdivps and vroundps, the same values as the scalar instructions).
+inline float quantize_row(const float* __restrict x, int64_t D, float inv_q, float least, int8_t* __restrict q) {
   float m = 0.f;
   int32_t nan = 0;
 #pragma omp simd reduction(max : m) reduction(| : nan)
@@ -45,7 +40,7 @@ inline float quantize_row(const float* x, int64_t D, float inv_q, float least, i
   for (int64_t d = 0; d < D; ++d) {
     float v = std::nearbyint(x[d] / scale);
     v = v < -127.f ? -127.f : (v > 127.f ? 127.f : v);
-    q[d * q_stride] = v == v ? static_cast<int8_t>(v) : 0;
+    q[d] = v == v ? static_cast<int8_t>(static_cast<int32_t>(v)) : 0;
   }
   return scale;
 }
@@ -87,8 +82,7 @@ void write_keys_cpu(torch::Tensor k, torch::Tensor key_values, torch::Tensor key
     TORCH_CHECK(start >= 0 && start + n <= S, "positions [", start, ", ", start + n, ") do not fit a copy of ", S);
     for (int64_t i = 0; i < n; ++i) pos[i] = start + i;
   }
-  const int64_t rows = B * H * n;
-  if (rows == 0 || D == 0) return;
+  if (B * H * n == 0 || D == 0) return;
 
   const float* kp = k.data_ptr<float>();
   int8_t* vp = key_values.data_ptr<int8_t>();
@@ -105,19 +99,35 @@ void write_keys_cpu(torch::Tensor k, torch::Tensor key_values, torch::Tensor key
                 os2 = per_channel ? offset.stride(2) : 0;
   const float iq = static_cast<float>(inv_q), lst = static_cast<float>(least);  // torch's float32 scalars
 
-  at::parallel_for(0, rows, std::max<int64_t>(1, kWriteGrain / D), [&](int64_t begin, int64_t end) {
-    std::vector<float> x(D);
-    for (int64_t r = begin; r < end; ++r) {
-      const int64_t i = r % n, bh = r / n, b = bh / H, h = bh % H;
-      const float* kr = kp + b * ks0 + h * ks1 + i * ks2;
-      if (per_channel) {
-        const float* ch = chp + b * zs0 + h * zs1;
-        const float* of = ofp + b * os0 + h * os1;
-        for (int64_t d = 0; d < D; ++d) x[d] = (kr[d * ks3] - of[d * os2]) / ch[d * zs2];
-      } else {
-        for (int64_t d = 0; d < D; ++d) x[d] = kr[d * ks3];
+  // One thread: a decode step's write is B * Hkv rows of one key (a few microseconds), which the pool's hand-off
+  // would cost more than; a prompt's write is once per prompt.
+  std::vector<float> x(D);
+  std::vector<int8_t> q(D);
+  const bool unit = ks3 == 1 && (!per_channel || (zs2 == 1 && os2 == 1));
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t h = 0; h < H; ++h) {
+      const float* ch = per_channel ? chp + b * zs0 + h * zs1 : nullptr;
+      const float* of = per_channel ? ofp + b * os0 + h * os1 : nullptr;
+      for (int64_t i = 0; i < n; ++i) {
+        const float* kr = kp + b * ks0 + h * ks1 + i * ks2;
+        const float* xr = kr;
+        if (per_channel) {
+          if (unit) {
+            for (int64_t d = 0; d < D; ++d) x[d] = (kr[d] - of[d]) / ch[d];
+          } else {
+            for (int64_t d = 0; d < D; ++d) x[d] = (kr[d * ks3] - of[d * os2]) / ch[d * zs2];
+          }
+          xr = x.data();
+        } else if (!unit) {
+          for (int64_t d = 0; d < D; ++d) x[d] = kr[d * ks3];
+          xr = x.data();
+        }
+        int8_t* vr = vp + b * vs0 + h * vs1 + pos[i] * vs2;
+        sp[b * ss0 + h * ss1 + pos[i] * ss2] = quantize_row(xr, D, iq, lst, vs3 == 1 ? vr : q.data());
+        if (vs3 != 1) {
+          for (int64_t d = 0; d < D; ++d) vr[d * vs3] = q[d];
+        }
       }
-      sp[b * ss0 + h * ss1 + pos[i] * ss2] = quantize_row(x.data(), D, iq, lst, vp + b * vs0 + h * vs1 + pos[i] * vs2, vs3);
     }
-  });
+  }
 }
