@@ -7,7 +7,8 @@ threshold and the weighted sum over the value rows some head of the group keeps 
 one pass per (batch row, KV head). With every key kept it is exact attention, the
 dense step of the CPU fast path. ``cpu/keybound_decode.cpp`` is the key-bound step
 (``keybound``): the int8 key copy scanned, full keys read for the candidates only, in one
-task per (batch row, KV head).
+task per (batch row, KV head); ``cpu/key_write.cpp`` writes that copy (``write_keys``: new keys quantised
+as ``keybound.quantize_keys``, bit for bit, in one call in place of its ten or so torch operations).
 
 The extension is compiled with the machine's C++ compiler the first time it is needed
 (about 30 s, a one-line notice) into ``$SIFTATTENTION_CACHE`` (default
@@ -32,10 +33,10 @@ from types import ModuleType
 import torch
 
 from ..paths import cache_root
-from .keybound import _LN2, MARGIN, OFFSET_ROUNDING, SLACK2, Int8Keys
+from .keybound import _LN2, _TINY, _TINY_ROW, INV_QMAX, MARGIN, OFFSET_ROUNDING, SLACK2, Int8Keys
 
 SOURCE_DIR = Path(__file__).with_name("cpu")
-SOURCES = [SOURCE_DIR / "sift_decode.cpp", SOURCE_DIR / "keybound_decode.cpp"]
+SOURCES = [SOURCE_DIR / "sift_decode.cpp", SOURCE_DIR / "keybound_decode.cpp", SOURCE_DIR / "key_write.cpp"]
 HEADERS = [SOURCE_DIR / "common.h", SOURCE_DIR / "dots.h"]
 # -fno-trapping-math lets the exp and threshold loops vectorise (no NaN or rounding change);
 # -march=native: the cache directory is per machine.
@@ -201,3 +202,13 @@ def keybound_decode_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                                  _NO_ETA if offset is None else offset, eta.float().contiguous(), float(scale),
                                  0.5 * scale * (1 + MARGIN), OFFSET_ROUNDING, SLACK2 * _LN2, _index(seq_lens),
                                  _index(starts), bool(renormalize)))
+
+
+def write_int8_keys_cpu(keys: Int8Keys, k: torch.Tensor, start: int | None = None, index: torch.Tensor | None = None) -> None:
+    """Quantise float32 keys ``k`` [B, Hkv, n, D] (any strides) into the CPU copy ``keys`` at positions
+    ``[start, start + n)`` or at ``index`` [n] (int64 or int32), keeping its channel scales and offsets: bit for
+    bit ``keybound.quantize_keys`` and the copy-in (``keybound.write_int8_keys`` routes here, backend "cpu")."""
+    values, scales, channel, offset = keys
+    per_channel = channel is not None
+    load().write_keys(k, values, scales, channel if per_channel else _NO_ETA, offset if per_channel else _NO_ETA,
+                      _index(index), 0 if start is None else int(start), INV_QMAX, _TINY_ROW if per_channel else _TINY)

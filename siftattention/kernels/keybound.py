@@ -170,17 +170,23 @@ def write_int8_keys(keys: Int8Keys, k: torch.Tensor, start: int | None = None, i
     positions ``index`` [n] (no host sync: the fast loop's one-token writes). A per-channel copy takes
     its channel scales and offsets from ``k`` where ``fix_channel`` (the prompt's write; ``starts`` [B]: from
     the rows at or after ``starts[b]`` only, as ``channel_ranges``), else keeps them. ``backend``: "auto" writes
-    float16, bfloat16 and float32 keys on CUDA by one Triton launch (``triton_key_write``, bit for bit
-    ``quantize_keys``), else by torch ops ("torch"); "triton" forces the kernel (on the CPU under
-    ``TRITON_INTERPRET=1``). The channel ranges are fixed in torch either way (once per prompt)."""
+    float16, bfloat16 and float32 keys on CUDA by one Triton launch (``triton_key_write``), float32 keys on the
+    CPU by one call of the fused C++ extension where it builds (``cpu_decode.write_int8_keys_cpu``), both bit
+    for bit ``quantize_keys``, and the rest by torch ops ("torch", the reference); "triton" forces the kernel
+    (on the CPU under ``TRITON_INTERPRET=1``), "cpu" the C++ writer. The channel ranges are fixed in torch
+    either way (once per prompt)."""
     if keys.channel is not None and fix_channel:
         c, o = channel_ranges(k, starts)
         keys.channel.copy_(c)
         keys.offset.copy_(o)
-    if _triton_writes(k, backend):
+    writer = _key_writer(k, backend)
+    if writer == "triton":
         from .triton_key_write import write_int8_keys_triton
 
         write_int8_keys_triton(keys, k, start, index)
+        return
+    if writer == "cpu":
+        _cpu_kernel().write_int8_keys_cpu(keys, k, start, index)
         return
     new = quantize_keys(k, None if keys.channel is None else (keys.channel, keys.offset))
     if index is not None:
@@ -193,20 +199,39 @@ def write_int8_keys(keys: Int8Keys, k: torch.Tensor, start: int | None = None, i
 
 
 _WRITER_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_WRITE_BACKENDS = ("auto", "torch", "triton", "cpu")
+_cpu_decode = None  # kernels.cpu_decode, imported on first use (it imports this module)
 
 
-def _triton_writes(k: torch.Tensor, backend: str) -> bool:
-    """Whether ``write_int8_keys`` takes the Triton writer for ``k`` under ``backend`` (see there)."""
-    from .plan import resolve_backend, triton_available  # plan imports this module
+def _cpu_kernel():
+    """The module of the fused CPU extension (``cpu_decode``), imported once: a decode step's write asks for it
+    in every layer."""
+    global _cpu_decode
+    if _cpu_decode is None:
+        from . import cpu_decode
 
-    if backend not in ("auto", "torch", "triton"):
-        raise ValueError(f"unknown backend {backend!r}; expected 'auto', 'torch' or 'triton'")
-    if backend == "triton":
-        resolve_backend(backend, k.device)  # the one-line refusal where Triton cannot run
-        if k.dtype not in _WRITER_DTYPES:
-            raise ValueError(f"the Triton key writer takes float16, bfloat16 or float32 keys, got {k.dtype}")
-        return True
-    return backend == "auto" and k.is_cuda and k.dtype in _WRITER_DTYPES and triton_available()
+        _cpu_decode = cpu_decode
+    return _cpu_decode
+
+
+def _key_writer(k: torch.Tensor, backend: str) -> str:
+    """The writer ``write_int8_keys`` takes for ``k`` under ``backend`` (see there): "triton", "cpu" or "torch"."""
+    if backend not in _WRITE_BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; expected 'auto', 'torch', 'triton' or 'cpu'")
+    if backend == "auto":
+        if k.is_cpu:  # the CPU first: its checks are the cheap ones, once a layer per decode step
+            return "cpu" if k.dtype == torch.float32 and _cpu_kernel().available() else "torch"
+        from .plan import triton_available  # plan imports this module
+
+        return "triton" if k.is_cuda and k.dtype in _WRITER_DTYPES and triton_available() else "torch"
+    if backend == "torch":
+        return "torch"
+    from .plan import resolve_backend
+
+    resolve_backend(backend, k.device, k.dtype if backend == "cpu" else None)  # the one-line refusals
+    if backend == "triton" and k.dtype not in _WRITER_DTYPES:
+        raise ValueError(f"the Triton key writer takes float16, bfloat16 or float32 keys, got {k.dtype}")
+    return backend
 
 
 def score_bounds(q: torch.Tensor, keys: Int8Keys, scale: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -123,3 +123,7 @@ std::vector<torch::Tensor> keybound_cpu(torch::Tensor q, torch::Tensor k, torch:
                                         torch::Tensor key_scales, torch::Tensor channel, torch::Tensor offset,
                                         torch::Tensor eta, double scale, double e_scale, double offset_rounding,
                                         double slack, torch::Tensor seq_lens, torch::Tensor starts, bool renormalize);
+
+// The int8 key copy's write (key_write.cpp); registered with the module in sift_decode.cpp.
+void write_keys_cpu(torch::Tensor k, torch::Tensor key_values, torch::Tensor key_scales, torch::Tensor channel,
+                    torch::Tensor offset, torch::Tensor index, int64_t start, double inv_q, double least);

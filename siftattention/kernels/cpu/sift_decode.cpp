@@ -272,4 +272,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("keybound", &keybound_cpu,
         "Key-bound Sift step on the CPU (keybound_decode.cpp): bounds from the int8 key copy, full float32 keys "
         "of the candidates only; returns out, kept and the candidate rows per (batch row, KV head)");
+  m.def("write_keys", &write_keys_cpu,
+        "The int8 key copy's write on the CPU (key_write.cpp): float32 keys quantised as keybound.quantize_keys, "
+        "bit for bit, into the copy's values and scales at positions start.. or index");
 }
