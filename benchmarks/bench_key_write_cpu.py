@@ -32,8 +32,9 @@ from pathlib import Path
 
 import torch
 
-from siftattention.kernels import cpu_decode, keybound
-from siftattention.kernels.keybound import Int8Keys, channel_ranges, new_int8_keys, write_int8_keys
+from siftattention.kernels import cpu_decode, key_write
+from siftattention.kernels.key_write import write_int8_keys
+from siftattention.kernels.keybound import Int8Keys, channel_ranges, new_int8_keys
 
 SHAPES = {"qwen2.5-1.5b": (2, 128), "smollm2-135m": (3, 64)}
 
@@ -87,7 +88,7 @@ def loop_times(batch: int, prompt: int, new: int, repeats: int, form: str) -> di
     all_ids = tokenizer(text[:100_000], return_tensors="pt", add_special_tokens=False).input_ids[0]
     ids = torch.stack([all_ids[i * prompt:(i + 1) * prompt] for i in range(batch)])
     method = Sift(keybound=form, warmup=4)
-    real_writer, real_write = keybound._key_writer, cache.write_int8_keys
+    real_writer, real_write = key_write._key_writer, cache.write_int8_keys
     writers = {"cpu": real_writer, "torch": lambda k, backend: "torch"}
     spent = [0.0, 0.0, 0]  # wall s, thread s, decode writes
 
@@ -105,12 +106,12 @@ def loop_times(batch: int, prompt: int, new: int, repeats: int, form: str) -> di
     layers = model.config.num_hidden_layers
     for r in range(repeats):
         for name in (writers if r % 2 == 0 else list(writers)[::-1]):
-            keybound._key_writer, cache.write_int8_keys = writers[name], timed_write
+            key_write._key_writer, cache.write_int8_keys = writers[name], timed_write
             spent[:] = [0.0, 0.0, 0]
             try:
                 res = generate(model, ids, None, method, max_new_tokens=new, eos_token_id=-1)
             finally:
-                keybound._key_writer, cache.write_int8_keys = real_writer, real_write
+                key_write._key_writer, cache.write_int8_keys = real_writer, real_write
             steps[name].append(list(res.timings["phases"].values())[-1]["steady_ms"])
             per_step = layers / spent[2] * 1e3  # ms of a step's writes per second of writes
             writes[name].append((spent[0] * per_step, spent[1] * per_step))

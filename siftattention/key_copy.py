@@ -24,7 +24,8 @@ from typing import Any
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
-from .kernels.keybound import Int8Keys, new_int8_keys, write_int8_keys
+from .kernels.key_write import write_int8_keys
+from .kernels.keybound import Int8Keys, new_int8_keys
 
 #: Static caches are written in place (their key length never grows), quantized ones change their keys.
 _FOLLOWED_IMPLEMENTATIONS = (None, "dynamic", "offloaded")

@@ -17,7 +17,8 @@ import torch
 from conftest import triton_worker
 
 from siftattention.kernels import cpu_decode
-from siftattention.kernels.keybound import CHANNEL_FLOOR, Int8Keys, channel_ranges, new_int8_keys, write_int8_keys
+from siftattention.kernels.key_write import write_int8_keys
+from siftattention.kernels.keybound import CHANNEL_FLOOR, Int8Keys, channel_ranges, new_int8_keys
 
 #: B, Hkv, n, D, dtype, form, where ("start" or "index"), layout of k (see ``strided_keys``).
 CASES = [

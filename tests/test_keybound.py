@@ -461,7 +461,8 @@ def test_fixed_cache_keeps_the_int8_copy():
 def test_per_channel_copy_keeps_the_prompts_ranges():
     """A per-channel copy takes its ranges from the prompt's write and quantises later writes (at host or
     device positions) with them, as ``quantize_keys`` with the prompt's ranges does."""
-    from siftattention.kernels.keybound import new_int8_keys, write_int8_keys
+    from siftattention.kernels.key_write import write_int8_keys
+    from siftattention.kernels.keybound import new_int8_keys
 
     gen = torch.Generator().manual_seed(4)
     keys = new_int8_keys(2, 2, 12, 16, "cpu", per_channel=True)

@@ -22,7 +22,8 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from ..kernels.keybound import Int8Keys, clear_int8_keys, key_copy_form, new_int8_keys, write_int8_keys
+from ..kernels.key_write import write_int8_keys
+from ..kernels.keybound import Int8Keys, clear_int8_keys, key_copy_form, new_int8_keys
 
 
 class WritePosition:

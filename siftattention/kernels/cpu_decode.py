@@ -207,7 +207,7 @@ def keybound_decode_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 def write_int8_keys_cpu(keys: Int8Keys, k: torch.Tensor, start: int | None = None, index: torch.Tensor | None = None) -> None:
     """Quantise float32 keys ``k`` [B, Hkv, n, D] (any strides) into the CPU copy ``keys`` at positions
     ``[start, start + n)`` or at ``index`` [n] (int64 or int32), keeping its channel scales and offsets: bit for
-    bit ``keybound.quantize_keys`` and the copy-in (``keybound.write_int8_keys`` routes here, backend "cpu")."""
+    bit ``keybound.quantize_keys`` and the copy-in (``key_write.write_int8_keys`` routes here, backend "cpu")."""
     values, scales, channel, offset = keys
     per_channel = channel is not None
     load().write_keys(k, values, scales, channel if per_channel else _NO_ETA, offset if per_channel else _NO_ETA,

@@ -1,4 +1,4 @@
-"""The int8 key copy's write (``keybound.write_int8_keys``) as one launch: new keys quantised exactly as
+"""The int8 key copy's write (``key_write.write_int8_keys``) as one launch: new keys quantised exactly as
 ``keybound.quantize_keys`` does, per row or with the copy's channel scales and offsets, and stored at
 positions ``[start, start + n)`` or at the device positions ``index`` (no host sync: a decode step's write
 inside a CUDA graph is one node per layer, not the torch form's ten or so).
