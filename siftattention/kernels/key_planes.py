@@ -97,7 +97,7 @@ def quantize_planes(k: torch.Tensor, channel: tuple[torch.Tensor, torch.Tensor] 
     g = grid_of(scales)[..., None]
     m = torch.round(scales.double()[..., None] / g).long()  # exactly an integer in [129, 256]
     w = torch.round(x.double() / g).long()
-    w = torch.minimum(torch.maximum(w, -QMAX * m), QMAX * m)  # never binds: |x| <= 127 M <= 127 m g
+    w = torch.minimum(torch.maximum(w, -QMAX * m), QMAX * m)  # binds only where |x| passes 127 M by its ulp
     high = torch.div(w + m // 2, m, rounding_mode="floor")
     return KeyPlanes(high.to(torch.int8), (w - m * high).to(torch.int8), scales, c, o)
 

@@ -47,6 +47,8 @@ def write_int8_keys(keys: Int8Keys, k: torch.Tensor, start: int | None = None, i
 
 _WRITER_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _WRITE_BACKENDS = ("auto", "torch", "triton", "cpu")
+
+
 def _key_writer(k: torch.Tensor, backend: str) -> str:
     """The writer ``write_int8_keys`` takes for ``k`` under ``backend`` (see there): "triton", "cpu" or "torch"."""
     if backend not in _WRITE_BACKENDS:

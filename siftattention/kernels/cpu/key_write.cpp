@@ -1,4 +1,4 @@
-// The int8 key copy's write on the CPU (kernels/keybound.py, write_int8_keys): new float32 keys quantised
+// The int8 key copy's write on the CPU (kernels/key_write.py, write_int8_keys): new float32 keys quantised
 // as keybound.quantize_keys does, bit for bit, and stored at positions [start, start + n) or at index[n].
 //
 // Per key row x (the key; per channel (k - o) / c): scale = max(max|x| * float32(1 / 127), least),
