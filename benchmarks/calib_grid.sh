@@ -11,9 +11,10 @@
 #                                                           finished cells: summaries, Full's samples, perplexity),
 #                                                           status.json, timing.jsonl, log.txt. PREV: earlier
 #                                                           resume.tar.xz or results.tar.xz files (or folders)
-#   bash benchmarks/calib_grid.sh score RESULTS             here: score IFEval / LongGenBench (lm-eval's checker),
+#   bash benchmarks/calib_grid.sh score RESULTS [EARLIER]   here: score IFEval / LongGenBench (lm-eval's checker),
 #                                                           then RESULTS/report/calib_grid.md and the figures
-#                                                           (RESULTS: the results.tar.xz files extracted into one folder)
+#                                                           (RESULTS: the results.tar.xz files extracted into one folder;
+#                                                           EARLIER: a calib_grid.json whose cells RESULTS lacks join in)
 #
 # The work folder ($CALIB_WORK, default /root/calib-work) stays on the machine while it is warm, so a next call
 # there resumes without PREV.
@@ -78,7 +79,7 @@ run() {
 }
 
 score() {
-  local results=$1 cfg model
+  local results=$1 earlier=${2:-} cfg model
   for cfg in configs/calib/ifeval_*.toml configs/calib/longgen_*.toml; do
     model=$(sed -n 's/^model = "\(.*\)"/\1/p' "$cfg")
     local task
@@ -87,12 +88,12 @@ score() {
     echo "== $cfg"
     python3 -m siftattention.cli sweep "$cfg" --score-only --out "$results/eval/$model" 2>&1 | grep -v "━" | tail -3
   done
-  python3 -m siftattention.eval.calib_grid summarize "$results"
+  python3 -m siftattention.eval.calib_grid summarize "$results" ${earlier:+--previous "$earlier"}
 }
 
 case ${1:-} in
   stage) stage ;;
   run) shift; [ $# -ge 2 ] || { echo "usage: $0 run SECONDS OUT [PREV...]" >&2; exit 2; }; run "$@" ;;
-  score) shift; [ $# -eq 1 ] || { echo "usage: $0 score RESULTS" >&2; exit 2; }; score "$1" ;;
-  *) sed -n '2,14p' "$0"; exit 2 ;;
+  score) shift; [ $# -ge 1 ] && [ $# -le 2 ] || { echo "usage: $0 score RESULTS [EARLIER_JSON]" >&2; exit 2; }; score "$@" ;;
+  *) sed -n '2,17p' "$0"; exit 2 ;;
 esac

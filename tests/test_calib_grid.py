@@ -114,3 +114,40 @@ def test_report_generation_realized_and_rouge_match_the_jsonl(report):
     [row] = group["quality"]["sift:vmc=true"]
     assert row["quality"] == cells["sift:tau=0.875,vmc=true"]["quality"]
     assert any(v.startswith("tau 0.875: ") and "topk" in v for v in group["verdicts"]["sift:vmc=true"])
+
+
+def test_report_grows_from_new_results_and_an_earlier_report(report, tmp_path):
+    """Cells missing from a results folder come from an earlier calib_grid.json; the report equals the one
+    built from every raw file, and a cell present in both comes from the new results."""
+    results, rep = report
+    earlier = json.loads((results / "report" / "calib_grid.json").read_text())
+    sift = method_slug(parse_method("sift:tau=0.875,vmc=true"))
+    partial = tmp_path / "partial"
+    shutil.copytree(FIXTURE, partial)
+    shutil.rmtree(partial / "ppl" / "smollm2-135m" / "L256" / sift)
+    for f in (partial / "eval" / "smollm2-135m" / "ifeval").glob(f"{sift}*"):
+        f.unlink()
+    alone = cg.build_report(partial)
+    assert all("sift" not in c["method"] for g in alone["groups"].values() for c in g["cells"])
+    merged = cg.summarize(partial, tmp_path / "report", plots=False, previous=results / "report" / "calib_grid.json")
+    def text(rep):  # NaN compares unequal to itself: compare the JSON text, cells in one order
+        rep = json.loads(json.dumps(rep, default=str))
+        for g in rep["groups"].values():
+            g["cells"].sort(key=lambda c: c["canonical"])
+        return json.dumps(rep, sort_keys=True)
+
+    assert text(merged) == text(earlier)
+    # a stale earlier cell loses to the same cell in the results
+    stale = json.loads(json.dumps(earlier))
+    for g in stale["groups"].values():
+        for c in g["cells"]:
+            c["quality"] = -1.0
+    fresh = cg.build_report(results, previous=stale)
+    assert all(c["quality"] != -1.0 for g in fresh["groups"].values() for c in g["cells"])
+    # ...unless only the earlier one is scored: the fixture's cells are decoded, not scored
+    [full] = [c for c in stale["groups"]["smollm2-135m ifeval"]["cells"] if c["name"] == "full"]
+    assert math.isnan(full["score"])
+    full["score"] = 0.25
+    fresh = cg.build_report(results, previous=stale)
+    [full] = [c for c in fresh["groups"]["smollm2-135m ifeval"]["cells"] if c["name"] == "full"]
+    assert full["score"] == 0.25 and full["quality"] == -1.0

@@ -480,12 +480,35 @@ def _f(v: Any, d: int = 3) -> str:
     return f"{v:.{d}f}" if isinstance(v, float) else str(v)
 
 
-def build_report(out: Path, candidates: Sequence[str] = ("sift", "sift:vmc=true")) -> dict[str, Any]:
+def merge_previous(groups: dict[tuple[str, str], list[dict[str, Any]]],
+                   previous: dict[str, Any]) -> dict[tuple[str, str], list[dict[str, Any]]]:
+    """``groups`` with the cells of an earlier report (its ``calib_grid.json``) that ``groups`` lacks, so a
+    report grows from new results without the raw files of earlier ones. A cell in both comes from ``groups``
+    unless only the earlier one is scored (results restored from resume files hold unscored summaries)."""
+    merged = {k: list(v) for k, v in groups.items()}
+    for key, entry in previous.get("groups", {}).items():
+        model, kind = key.split(" ", 1)
+        cells = merged.setdefault((model, kind), [])
+        index = {c["canonical"]: i for i, c in enumerate(cells)}
+        for c in entry["cells"]:
+            i = index.get(c["canonical"])
+            if i is None:
+                cells.append(c)
+            elif math.isnan(_nan(cells[i].get("score"))) and not math.isnan(_nan(c.get("score"))):
+                cells[i] = c
+        cells.sort(key=lambda c: c["source"])  # the order reading every raw file gives (stable within a file)
+    return merged
+
+
+def build_report(out: Path, candidates: Sequence[str] = ("sift", "sift:vmc=true"),
+                 previous: dict[str, Any] | None = None) -> dict[str, Any]:
     """Every table of the report as data: per (model, kind) the cells, the realized rows and per candidate
-    the quality rows and verdicts."""
+    the quality rows and verdicts; ``previous``, an earlier report, supplies the cells ``out`` lacks."""
     from ..methods import parse_method
 
     groups = {**read_ppl(out), **read_eval(out)}
+    if previous is not None:
+        groups = merge_previous(groups, previous)
     report: dict[str, Any] = {"candidates": {}, "groups": {}}
     for cand in candidates:
         fam, _ = _family(parse_method(cand + (",tau=0.5" if ":" in cand else ":tau=0.5")))
@@ -611,11 +634,12 @@ def plot_report(report: dict[str, Any], out: Path) -> list[Path]:
 
 
 def summarize(results: Path, report_dir: Path | None = None, candidates: Sequence[str] = ("sift", "sift:vmc=true"),
-              plots: bool = True) -> dict[str, Any]:
+              plots: bool = True, previous: Path | None = None) -> dict[str, Any]:
     results = Path(results)
     report_dir = Path(report_dir) if report_dir is not None else results / "report"
+    prev = json.loads(Path(previous).read_text()) if previous is not None else None
     report_dir.mkdir(parents=True, exist_ok=True)
-    report = build_report(results, candidates)
+    report = build_report(results, candidates, prev)
     (report_dir / "calib_grid.md").write_text(report_markdown(report) + "\n")
     (report_dir / "calib_grid.json").write_text(json.dumps(report, indent=1, default=str, allow_nan=True) + "\n")
     if plots:
@@ -640,6 +664,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     s.add_argument("--candidate", action="append", default=None,
                    help="a Sift family to check against the targets, a spec without tau (repeatable; default: sift, sift:vmc=true)")
     s.add_argument("--no-plots", action="store_true")
+    s.add_argument("--previous", type=Path, default=None,
+                   help="an earlier calib_grid.json: its cells that RESULTS lacks join the report")
     args = p.parse_args(argv)
     if args.cmd == "run":
         status = run_plan(args.plan, args.out, args.budget, device=args.device, prev=args.prev, dry_run=args.dry_run,
@@ -648,7 +674,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             for c in status["left"]:
                 print(f"{c['est_s']:7.1f} s  {c['cell']}")
         return 0
-    summarize(args.results, args.report, args.candidate or ("sift", "sift:vmc=true"), plots=not args.no_plots)
+    if args.previous is not None and not args.previous.is_file():
+        p.error(f"--previous {args.previous}: no such file")
+    summarize(args.results, args.report, args.candidate or ("sift", "sift:vmc=true"), plots=not args.no_plots,
+              previous=args.previous)
     print(f"wrote {(args.report or args.results / 'report')}/calib_grid.md, calib_grid.json and the figures")
     return 0
 
