@@ -340,6 +340,24 @@ def test_summary_table_prints_scored_and_unscored_methods_side_by_side(tmp_path,
     assert lines["sift:tau=0.75,warmup=4"].split("│")[2].strip() == "n/a"
 
 
+def test_figures_draw_scored_and_unscored_methods_together(tmp_path):
+    # Cells decoded elsewhere and not scored here (no metrics) are left off the score figure, not a KeyError.
+    from siftattention.eval.sweep import figure_names, plot_task
+
+    model, tok = tiny_llama(seed=18), tiny_chat_tokenizer()
+    data = get_task("ifeval").load(ifeval_file(tmp_path / "p.jsonl", n=2))
+    settings = EvalSettings(model="tiny", max_new_tokens=5, batch_size=2, path="reference")
+    scored = _run(model, tok, tmp_path / "a", data, settings, ["full", "sift:tau=0.5,warmup=4"])
+    unscored = _run(model, tok, tmp_path / "b", data, EvalSettings(model="tiny", max_new_tokens=5, batch_size=2,
+                                                                   path="reference", score=False), ["full", "topk:k=0.5"])
+    cells = scored + [s for s in unscored if s["method"] != "full"]
+    assert cells[-1]["all"]["metrics"] == {}
+    paths = plot_task("ifeval", "prompt_level_strict_acc", cells, tmp_path, "tiny")
+    assert sorted(p.name for p in paths) == sorted(figure_names("ifeval", cells)) and all(p.stat().st_size > 0 for p in paths)
+    unscored_full = [s for s in unscored if s["method"] == "full"]  # an unscored Full draws too, without its line
+    assert len(plot_task("ifeval", "prompt_level_strict_acc", unscored_full + cells[1:], tmp_path, "tiny")) == len(paths)
+
+
 def test_scoring_without_decoding_skips_unfinished_methods(tmp_path):
     model, tok = tiny_llama(seed=16), tiny_chat_tokenizer()
     data = get_task("ifeval").load(ifeval_file(tmp_path / "p.jsonl", n=3))

@@ -320,11 +320,12 @@ def plot_task(task: str, headline: str, cells: Sequence[dict[str, Any]], out: Pa
         fig, ax = plt.subplots(figsize=(7.2, 4.6))
         for name, group in groups.items():
             if name == "full":
-                if key == headline and full is not None:
-                    ax.axhline(full["all"]["metrics"][headline], color="black", linestyle="--", linewidth=1, label="full")
+                full_score = (full["all"]["metrics"] or {}).get(headline) if full is not None else None
+                if key == headline and full_score is not None:  # unscored cells (decoded elsewhere) are left out
+                    ax.axhline(full_score, color="black", linestyle="--", linewidth=1, label="full")
                 continue
             group = sorted(group, key=lambda c: c["intended_sparsity"])  # along tau / k, as the paper's lines run
-            ys = [c["all"]["metrics"][headline] if key == headline else (c["all"]["agreement"] or {}).get("rouge_l", math.nan) for c in group]
+            ys = [(c["all"]["metrics"] or {}).get(headline, math.nan) if key == headline else (c["all"]["agreement"] or {}).get("rouge_l", math.nan) for c in group]
             ax.plot([c["all"]["realized_sparsity"] for c in group], ys, marker="o", label=name)
         ax.set_xlabel("realized sparsity (pruned / valid keys, all decode steps)")
         ax.set_ylabel(ylabel)
