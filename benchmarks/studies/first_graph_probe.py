@@ -41,13 +41,28 @@ from siftattention.generation import loop as fast_loop  # noqa: E402
 _DUMPED: list[tuple[str, torch.cuda.CUDAGraph]] = []
 
 
+def gpu_state() -> str:
+    query = "clocks.sm,clocks.mem,temperature.gpu,power.draw,clocks_throttle_reasons.active"
+    return subprocess.run(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader"],
+                          capture_output=True, text=True).stdout.strip()
+
+
+def kernel_totals(prof) -> dict[str, list[float]]:
+    totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            totals[e.name][0] += e.device_time_total
+            totals[e.name][1] += 1
+    return totals
+
+
 def dump_graphs() -> None:
     """Capture every fast-loop graph in debug mode and keep (phase, graph) in ``_DUMPED`` until dumped."""
     real_run = fast_loop._Loop._run
     real_graph = torch.cuda.CUDAGraph
 
     def debug_graph() -> torch.cuda.CUDAGraph:
-        graph = real_graph()
+        graph = real_graph(keep_graph=True)  # else the graph is freed once instantiated and dumps nothing
         graph.enable_debug_mode()
         return graph
 
