@@ -255,6 +255,7 @@ def profile_steps(model, ids, method, new: int = 6, graphs: bool = False, steps:
         loop = _Loop(model, handle, ids.shape[0], ids.shape[1] + new + steps, new + steps, ids.device,
                      _Sampler(False, 1.0, None), None, 0, graphs)
         handle.context = loop.ctx
+        handle.prompt_len = ids.shape[1]  # as generate sets it: prompt calibration sees the whole prompt
         with torch.inference_mode():
             loop.start(ids, torch.ones_like(ids), new + steps)
             loop.prefill(ids, torch.ones_like(ids), 8192)
@@ -332,6 +333,7 @@ def capture_decode_calls(model, ids, tau: float, warmup: int) -> tuple[Sift, lis
         loop = _Loop(model, handle, ids.shape[0], ids.shape[1] + warmup + 4, warmup + 4, ids.device,
                      _Sampler(False, 1.0, None), None, 0, False)
         handle.context = loop.ctx
+        handle.prompt_len = ids.shape[1]  # as generate sets it: prompt calibration sees the whole prompt
         with torch.inference_mode():
             loop.start(ids, torch.ones_like(ids), warmup + 4)
             loop.prefill(ids, torch.ones_like(ids), 8192)
