@@ -7,7 +7,7 @@ kernels take longer inside the step than alone, or the step's wall time exceeds 
 is what the step loses between kernels (tails, bubbles), not bytes.
 
     PYTHONPATH=/tmp/sift-site:. python3 benchmarks/studies/step_anatomy.py --model qwen2.5-1.5b --data-file /root/wiki.utf8 \
-        --warm 100 --out $OUT/step_anatomy_qwen_h100.json
+        --warm 100 --out $OUT/step_anatomy_qwen_h100.json [--trace 256]
     PYTHONPATH=. python3 benchmarks/studies/step_anatomy.py --batch 16 --prompt 32768   # the planted model
 """
 
@@ -73,6 +73,58 @@ def profiled_steps(model, ids: torch.Tensor, method, warm: int, steps: int) -> d
             "top": [(k[:90], round(v, 4)) for k, v in top]}
 
 
+def step_trace(model, ids: torch.Tensor, method, new: int) -> list[tuple[int, str, float]]:
+    """(step, phase, ms) of every decode step of one ``new``-token call of the loop (graphs, a CUDA event pair a step),
+    and beside it nothing else: how a step's time moves along a whole call."""
+    handle = apply(model, method)
+    marks = []
+    try:
+        loop = _Loop(model, handle, ids.shape[0], ids.shape[1] + new, new, ids.device, _Sampler(False, 1.0, None), None, 0,
+                     ids.is_cuda)
+        handle.context = loop.ctx
+        handle.prompt_len = ids.shape[1]
+        with torch.inference_mode():
+            loop.start(ids, torch.ones_like(ids), new)
+            loop.prefill(ids, torch.ones_like(ids), 4096)
+            for step in range(new - 1):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                phase = handle.method.decode_phase(step)
+                a.record()
+                loop.decode(step)
+                b.record()
+                marks.append((step, str(phase), a, b))
+            torch.cuda.synchronize()
+    finally:
+        handle.context = None
+        handle.prompt_len = None
+        handle.remove()
+    free()
+    return [(step, phase, a.elapsed_time(b)) for step, phase, a, b in marks]
+
+
+def generate_steady(model, ids: torch.Tensor, method, new: int) -> dict:
+    """``generate``'s own phase timings for a second, identical call (the first compiles and captures)."""
+    import copy
+
+    from siftattention import generate
+
+    generate(model, ids, None, copy.deepcopy(method), max_new_tokens=new, eos_token_id=-1, pad_token_id=0, prefill_chunk=4096)
+    free()
+    res = generate(model, ids, None, method, max_new_tokens=new, eos_token_id=-1, pad_token_id=0, prefill_chunk=4096)
+    phases = res.timings["phases"]
+    free()
+    return phases
+
+
+def _windows(trace: list[tuple[int, str, float]], width: int) -> list[str]:
+    out = []
+    for lo in range(0, len(trace), width):
+        part = sorted(ms for step, phase, ms in trace[lo:lo + width] if phase in ("sparse", "exact"))
+        if part:
+            out.append(f"{lo}-{min(lo + width, len(trace)) - 1}: {part[len(part) // 2]:.3f}")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=16)
@@ -82,6 +134,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--model", default=None, help="an embedded model on real text instead of the planted one")
     ap.add_argument("--data-file", action="append", default=[], help="text after WikiText-2 (with --model)")
+    ap.add_argument("--trace", type=int, default=0, metavar="NEW",
+                    help="also every step's time along one NEW-token call of the loop, and generate's own steady step")
     ap.add_argument("--out", type=Path, default=Path("step_anatomy.json"))
     args = ap.parse_args()
     print(torch.cuda.get_device_name(), flush=True)
@@ -103,6 +157,13 @@ def main() -> None:
         print(name, json.dumps({k: v for k, v in report[name].items() if k != "top"}), flush=True)
     report["attention_alone"] = attention_share(model, ids, args.tau, 16)
     print("attention alone", json.dumps(report["attention_alone"]), flush=True)
+    if args.trace:
+        for name, make in (("dense", Full), ("sift", lambda: Sift(tau=args.tau))):
+            trace = step_trace(model, ids, make(), args.trace)
+            report.setdefault("trace", {})[name] = trace
+            report.setdefault("generate_phases", {})[name] = generate_steady(model, ids, make(), args.trace)
+            print(f"{name}: median step ms by 32 steps: {'; '.join(_windows(trace, 32))}", flush=True)
+            print(f"{name}: generate's phases: {json.dumps(report['generate_phases'][name])}", flush=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     a = report["attention_alone"]
     print("\n| method | step wall ms | kernels ms | attention kernels ms | rest kernels ms | attention alone ms |")
