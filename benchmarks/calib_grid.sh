@@ -85,6 +85,8 @@ score() {
     local task
     task=$(sed -n 's/^name = "\(.*\)"/\1/p' "$cfg")
     [ -d "$results/eval/$model/$task" ] || continue
+    # A task whose only samples are Full's (restored from a resume file) has nothing new to score.
+    ls "$results/eval/$model/$task"/*.jsonl 2>/dev/null | grep -qv '/full\.jsonl$' || continue
     echo "== $cfg"
     python3 -m siftattention.cli sweep "$cfg" --score-only --out "$results/eval/$model" 2>&1 | grep -v "━" | tail -3
   done
