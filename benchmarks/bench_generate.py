@@ -240,6 +240,19 @@ def fast(model, ids, method, new: int, chunk: int, compile: bool = False, all_to
     return out
 
 
+def prefilled_loop(model, handle, ids: torch.Tensor, new: int, graphs: bool, chunk: int = 8192):
+    """The fast loop's ``_Loop`` for ``ids`` and ``new`` tokens, started (the handle attached, as ``generate`` does)
+    and its prompt prefilled, ready for ``loop.decode(step)``; ``loop.detach()`` when done."""
+    from siftattention.generation.loop import _Loop, _Sampler
+
+    loop = _Loop(model, handle, ids.shape[0], ids.shape[1] + new, new, ids.device, _Sampler(False, 1.0, None), None, 0,
+                 graphs)
+    with torch.inference_mode():
+        loop.start(ids, torch.ones_like(ids), new)
+        loop.prefill(ids, torch.ones_like(ids), chunk)
+    return loop
+
+
 def profile_steps(model, ids, method, new: int = 6, graphs: bool = False, steps: int = 1) -> str:
     """Device time per kernel of ``steps`` decode steps, to find what a token spends beside the bytes.
 
@@ -248,17 +261,10 @@ def profile_steps(model, ids, method, new: int = 6, graphs: bool = False, steps:
     """
     from torch.profiler import ProfilerActivity, profile
 
-    from siftattention.generation.loop import _Loop, _Sampler
-
     handle = apply(model, method)
     try:
-        loop = _Loop(model, handle, ids.shape[0], ids.shape[1] + new + steps, new + steps, ids.device,
-                     _Sampler(False, 1.0, None), None, 0, graphs)
-        handle.context = loop.ctx
-        handle.prompt_len = ids.shape[1]  # as generate sets it: prompt calibration sees the whole prompt
+        loop = prefilled_loop(model, handle, ids, new + steps, graphs)
         with torch.inference_mode():
-            loop.start(ids, torch.ones_like(ids), new + steps)
-            loop.prefill(ids, torch.ones_like(ids), 8192)
             for step in range(new - 2):  # warm: compile the kernels, capture the graphs, reach the phase to profile
                 loop.decode(step)
             torch.cuda.synchronize()
@@ -269,7 +275,7 @@ def profile_steps(model, ids, method, new: int = 6, graphs: bool = False, steps:
                 torch.cuda.synchronize()
                 wall_ms = (time.perf_counter() - start) * 1e3 / steps
     finally:
-        handle.context = None
+        handle.context = handle.prompt_len = None
         handle.remove()
     free()
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70)
@@ -316,8 +322,6 @@ def capture_decode_calls(model, ids, tau: float, warmup: int) -> tuple[Sift, lis
     and state are the loop's own tensors, the query a copy) and the handle, which the
     caller removes (``handle.context = None; handle.remove()``) when done with them.
     """
-    from siftattention.generation.loop import _Loop, _Sampler
-
     method = Sift(tau=tau, warmup=warmup)
     seen: dict[int, tuple] = {}
     original = method.decode_step
@@ -330,17 +334,12 @@ def capture_decode_calls(model, ids, tau: float, warmup: int) -> tuple[Sift, lis
     method.decode_step = spy
     handle = apply(model, method)
     try:
-        loop = _Loop(model, handle, ids.shape[0], ids.shape[1] + warmup + 4, warmup + 4, ids.device,
-                     _Sampler(False, 1.0, None), None, 0, False)
-        handle.context = loop.ctx
-        handle.prompt_len = ids.shape[1]  # as generate sets it: prompt calibration sees the whole prompt
+        loop = prefilled_loop(model, handle, ids, warmup + 4, False)
         with torch.inference_mode():
-            loop.start(ids, torch.ones_like(ids), warmup + 4)
-            loop.prefill(ids, torch.ones_like(ids), 8192)
             for step in range(warmup + 2):
                 loop.decode(step)
     except BaseException:
-        handle.context = None
+        handle.context = handle.prompt_len = None
         handle.remove()
         raise
     method.decode_step = original
@@ -433,6 +432,13 @@ def planted_model(args: argparse.Namespace, **build_kwargs):
         plant_attention(model, args.plant_std, args.head_corr)
     set_q_scale(model, args.q_scale)
     return model
+
+
+def planted_qwen_model():
+    """Random weights of Qwen2.5-1.5B's shape (28 layers, 12 / 2 heads, head_dim 128) with planted attention."""
+    plant = argparse.Namespace(plant_std=2.0, head_corr=0.0, q_scale=0.1)
+    return planted_model(plant, layers=28, hidden_size=1536, intermediate_size=8960, num_attention_heads=12,
+                         num_key_value_heads=2, head_dim=128, vocab_size=32000)
 
 
 def set_q_scale(model, scale: float) -> None:

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench_generate import free, planted_model  # noqa: E402
+from bench_generate import free, planted_qwen_model  # noqa: E402
 
 from siftattention import Full, Sift  # noqa: E402
 from siftattention.generation import generate  # noqa: E402
@@ -127,9 +127,7 @@ def main() -> None:
     if args.dump:
         dump_graphs()
     print(torch.cuda.get_device_name(), flush=True)
-    plant = argparse.Namespace(plant_std=2.0, head_corr=0.0, q_scale=0.1)
-    model = planted_model(plant, layers=28, hidden_size=1536, intermediate_size=8960, num_attention_heads=12,
-                          num_key_value_heads=2, head_dim=128, vocab_size=32000)
+    model = planted_qwen_model()
     ids = torch.randint(3, 32000, (16, 32768), device="cuda")
     shift = torch.empty(int(args.shift_gb * 2**30), dtype=torch.uint8, device="cuda") if args.shift_gb else None
     tables = []

@@ -22,10 +22,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench_generate import attention_share, free, planted_model  # noqa: E402
+from bench_generate import attention_share, free, planted_qwen_model, prefilled_loop  # noqa: E402
 
 from siftattention import Full, Sift, apply  # noqa: E402
-from siftattention.generation.loop import _Loop, _Sampler  # noqa: E402
 
 ATTENTION = ("_scores_kernel", "_filter_kernel", "_dense_kernel", "_quantile_kernel", "_warmup")
 
@@ -35,15 +34,10 @@ def profiled_steps(model, ids: torch.Tensor, method, warm: int, steps: int) -> d
     from torch.profiler import ProfilerActivity, profile
 
     handle = apply(model, method)
+    loop = None
     try:
-        new = warm + steps + 2  # the loop writes a step's token one position ahead
-        loop = _Loop(model, handle, ids.shape[0], ids.shape[1] + new, new, ids.device,
-                     _Sampler(False, 1.0, None), None, 0, True)
-        handle.context = loop.ctx
-        handle.prompt_len = ids.shape[1]  # as generate sets it: prompt calibration sees the whole prompt
+        loop = prefilled_loop(model, handle, ids, warm + steps + 2, True, 4096)  # a step writes one position ahead
         with torch.inference_mode():
-            loop.start(ids, torch.ones_like(ids), new)
-            loop.prefill(ids, torch.ones_like(ids), 4096)
             for step in range(warm):
                 loop.decode(step)
             torch.cuda.synchronize()
@@ -57,8 +51,8 @@ def profiled_steps(model, ids: torch.Tensor, method, warm: int, steps: int) -> d
                     loop.decode(step)
                 torch.cuda.synchronize()
     finally:
-        handle.context = None
-        handle.prompt_len = None
+        if loop is not None:
+            loop.detach()
         handle.remove()
     n = steps - steps // 2
     per_kernel: dict[str, float] = {}
@@ -78,14 +72,10 @@ def step_trace(model, ids: torch.Tensor, method, new: int) -> list[tuple[int, st
     and beside it nothing else: how a step's time moves along a whole call."""
     handle = apply(model, method)
     marks = []
+    loop = None
     try:
-        loop = _Loop(model, handle, ids.shape[0], ids.shape[1] + new, new, ids.device, _Sampler(False, 1.0, None), None, 0,
-                     ids.is_cuda)
-        handle.context = loop.ctx
-        handle.prompt_len = ids.shape[1]
+        loop = prefilled_loop(model, handle, ids, new, ids.is_cuda, 4096)
         with torch.inference_mode():
-            loop.start(ids, torch.ones_like(ids), new)
-            loop.prefill(ids, torch.ones_like(ids), 4096)
             for step in range(new - 1):
                 a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 phase = handle.method.decode_phase(step)
@@ -95,8 +85,8 @@ def step_trace(model, ids: torch.Tensor, method, new: int) -> list[tuple[int, st
                 marks.append((step, str(phase), a, b))
             torch.cuda.synchronize()
     finally:
-        handle.context = None
-        handle.prompt_len = None
+        if loop is not None:
+            loop.detach()
         handle.remove()
     free()
     return [(step, phase, a.elapsed_time(b)) for step, phase, a, b in marks]
@@ -147,9 +137,7 @@ def main() -> None:
         model, tokenizer = load_model(args.model, dtype=torch.bfloat16, device="cuda")
         ids = windows(prompt_tokens(tokenizer, args.data_file), args.batch, args.prompt).cuda()
     else:
-        plant = argparse.Namespace(plant_std=2.0, head_corr=0.0, q_scale=0.1)
-        model = planted_model(plant, layers=28, hidden_size=1536, intermediate_size=8960, num_attention_heads=12,
-                              num_key_value_heads=2, head_dim=128, vocab_size=32000)
+        model = planted_qwen_model()
         ids = torch.randint(3, 32000, (args.batch, args.prompt), device="cuda")
     report: dict = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "args": vars(args) | {"out": str(args.out)}}
     for name, method in (("dense", Full()), ("sift", Sift(tau=args.tau)), ("dense_again", Full())):

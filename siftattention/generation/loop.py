@@ -243,7 +243,8 @@ class _Loop:
         self.dropped: set[str] = set()  # phases whose graph this generation dropped (an address had changed)
 
     def start(self, input_ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int) -> None:
-        """A new generation: every buffer back to a fresh loop's values, in place (no tensor changes address)."""
+        """A new generation: every buffer back to a fresh loop's values, in place (no tensor changes address),
+        and the handle attached to this loop until ``detach``."""
         self.P, self.T = input_ids.shape[1], max_new_tokens
         self.handle.reset(keep_states=self.keep)
         self.cache.restart(self.P)
@@ -255,6 +256,13 @@ class _Loop:
             self.scores.zero_()
         self.log.restart()
         self.dropped = set()
+        self.handle.context = self.ctx
+        self.handle.prompt_len = self.P  # the prompt's chunks are exact attention, every later token a decode step
+
+    def detach(self) -> None:
+        """The handle back to plain forward passes (no loop context, no prompt length)."""
+        self.handle.context = None
+        self.handle.prompt_len = None
 
     def prefill(self, input_ids: torch.Tensor, mask: torch.Tensor, chunk: int | None) -> None:
         """The prompt, exactly, in chunks of ``chunk`` tokens (bounds the activations of long prompts)."""
@@ -329,8 +337,6 @@ class _Loop:
         try:
             with torch.inference_mode():
                 self.start(input_ids, mask, max_new_tokens)
-                handle.context = self.ctx
-                handle.prompt_len = self.P  # the prompt's chunks are exact attention, every later token a decode step
                 start = time.perf_counter()
                 self.prefill(input_ids, mask, prefill_chunk)
                 sync()
@@ -347,8 +353,7 @@ class _Loop:
                 sync()
                 decode_s = time.perf_counter() - start - prefill_s
         finally:
-            handle.context = None
-            handle.prompt_len = None
+            self.detach()
         num = torch.minimum(self.finished_at + 1, torch.full_like(self.finished_at, max_new_tokens))
         # Steps after every row had finished are not part of the result (transformers stops there too).
         used = int(num.max()) - 1
