@@ -240,13 +240,14 @@ def fast(model, ids, method, new: int, chunk: int, compile: bool = False, all_to
     return out
 
 
-def prefilled_loop(model, handle, ids: torch.Tensor, new: int, graphs: bool, chunk: int = 8192):
+def prefilled_loop(model, handle, ids: torch.Tensor, new: int, graphs: bool, chunk: int = 8192, compile: bool = False):
     """The fast loop's ``_Loop`` for ``ids`` and ``new`` tokens, started (the handle attached, as ``generate`` does)
-    and its prompt prefilled, ready for ``loop.decode(step)``; ``loop.detach()`` when done."""
+    and its prompt prefilled, ready for ``loop.decode(step)``; ``loop.detach()`` when done. ``compile``: the decode
+    step's model code through torch.compile, as ``generate(compile=True)``."""
     from siftattention.generation.loop import _Loop, _Sampler
 
     loop = _Loop(model, handle, ids.shape[0], ids.shape[1] + new, new, ids.device, _Sampler(False, 1.0, None), None, 0,
-                 graphs)
+                 graphs, compile=compile)
     with torch.inference_mode():
         loop.start(ids, torch.ones_like(ids), new)
         loop.prefill(ids, torch.ones_like(ids), chunk)

@@ -18,6 +18,8 @@ exact step's bytes. The byte floor reads the weights and the valid KV cache once
 at the copy bandwidth measured in the same run; Sift's ceiling reads all of K and the kept V.
 ``--session`` times each method's second call of a ``DecodeSession`` (the first, untimed, captures the
 graphs), so decode tokens/s covers a whole call without captures; every row counts its call's ``captures``.
+``--compile`` runs every fast-path method's decode step through ``torch.compile`` (the model's small ops fused
+around the attention, dense and sparse alike).
 ``--check`` first compares the dense fast path's greedy tokens with transformers' generate
 on the same model and dtype, and says where they part (the top-2 logit gap there).
 ``--methods dense sift sift_keybound sift_keybound_channel`` sets the key-bound step, on its
@@ -114,7 +116,7 @@ def run_method(model, ids, name: str, args) -> dict:
     # faster than any later one, H100, Qwen 16 x 32768: 9.00 against 9.33-9.44 ms a step), so the timed call is a
     # user's second, in both modes.
     # --session: a DecodeSession's two calls, the second timed (it replays the graphs the first captured).
-    out = fast(model, ids, method, args.new, args.prefill_chunk, all_tokens=True, session=args.session)
+    out = fast(model, ids, method, args.new, args.prefill_chunk, compile=args.compile, all_tokens=True, session=args.session)
     out["decode_tok_s"] = ids.shape[0] * 1e3 / out["decode_ms"]
     out["steady_tok_s"] = ids.shape[0] * 1e3 / out["steady_ms"]
     return out
@@ -138,6 +140,8 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="device time per kernel of one eager decode step, dense and Sift")
     ap.add_argument("--session", action="store_true",
                     help="time each method's second call of a DecodeSession: whole-call tokens/s without graph captures")
+    ap.add_argument("--compile", action="store_true",
+                    help="every fast-path method's decode step through torch.compile (generate(compile=True))")
     ap.add_argument("--out", type=Path, default=Path("bench_generate_real.json"))
     args = ap.parse_args()
     if not torch.cuda.is_available():

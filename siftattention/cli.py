@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
 import time
@@ -164,13 +165,15 @@ class Generation:
 GENERATE_PATHS = ("auto", "fast", "reference")
 
 
-def generate_text(model, tokenizer, prompt: str, spec: str, max_new_tokens: int, chat: bool = True, path: str = "auto") -> Generation:
+def generate_text(model, tokenizer, prompt: str, spec: str, max_new_tokens: int, chat: bool = True, path: str = "auto",
+                  compile: bool = False) -> Generation:
     """Greedy generation with a method, timed, with its realized sparsity.
 
     ``path``: "fast" or "auto" decode through ``siftattention.generate`` (which itself falls
     back to transformers' ``generate`` for a method it cannot serve, saying why in
     ``fallback_reason``); "reference" through ``reference_generate`` (transformers'
-    ``generate`` under ``apply``). Both give the same tokens.
+    ``generate`` under ``apply``). Both give the same tokens. ``compile``: the fast path's decode
+    steps through torch.compile (``generate(compile=True)``; not with "reference").
     """
     import warnings
 
@@ -179,6 +182,8 @@ def generate_text(model, tokenizer, prompt: str, spec: str, max_new_tokens: int,
 
     if path not in GENERATE_PATHS:
         raise ValueError(f"path must be one of {', '.join(GENERATE_PATHS)}, got {path!r}")
+    if compile and path == "reference":
+        raise ValueError("compile applies to the fast path (siftattention.generate), not to path 'reference'")
     if chat and getattr(tokenizer, "chat_template", None):
         ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True)
     else:
@@ -186,7 +191,7 @@ def generate_text(model, tokenizer, prompt: str, spec: str, max_new_tokens: int,
     ids = ids.to(model.device)  # a tensor-parallel rank's model is on that rank's device
     method = parse_method(spec)
     prepare_methods(console, model, [(spec, method)])
-    run = reference_generate if path == "reference" else generate
+    run = reference_generate if path == "reference" else functools.partial(generate, compile=compile)
     with warnings.catch_warnings():
         # The fast path's fallback notice is reported as the path's reason; every other warning shows.
         warnings.filterwarnings("ignore", category=FallbackWarning)
@@ -272,21 +277,28 @@ def ppl(model_name: str, dataset: str, data_file: str | None, seq_len: int, num_
               help="decode path: the fast loop (siftattention.generate) or transformers' generate")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N (unused under torchrun)")
 @click.option("--dtype", type=click.Choice(DTYPES), default="float32", show_default=True, help="the weights' precision")
+@click.option("--compile", "compile_steps", is_flag=True,
+              help="the fast path's decode steps through torch.compile (the model's small ops fused; the first call "
+                   "compiles): faster decoding at long context, dense and sparse alike")
 @click.option("--out", type=OutDir(), default=None, help="also write generations.json into this directory")
 def generate(model_name: str, prompt: str, specs: tuple[str, ...], max_new_tokens: int, gen_path: str, device: str, dtype: str,
-             out: Path | None) -> None:
+             compile_steps: bool, out: Path | None) -> None:
     from .report import claim_out_dir
 
+    if compile_steps and gen_path == "reference":
+        raise click.UsageError("--compile applies to the fast path; --path reference runs transformers' generate")
     parse_methods(specs)
     device = resolve_device(device)
     with claim_out_dir(out) if out is not None else contextlib.nullcontext():
         model, tokenizer = _load(model_name, device, dtype)
-        results = _print_generations(model, tokenizer, prompt, specs, max_new_tokens, gen_path)
+        results = _print_generations(model, tokenizer, prompt, specs, max_new_tokens, gen_path, compile_steps)
         if out is not None:
-            _write_generations(out / "generations.json", model_name, model, prompt, max_new_tokens, gen_path, results)
+            _write_generations(out / "generations.json", model_name, model, prompt, max_new_tokens, gen_path, results,
+                               compile_steps)
 
 
-def _print_generations(model, tokenizer, prompt: str, specs: tuple[str, ...], max_new_tokens: int, path: str = "auto") -> list[Generation]:
+def _print_generations(model, tokenizer, prompt: str, specs: tuple[str, ...], max_new_tokens: int, path: str = "auto",
+                       compile: bool = False) -> list[Generation]:
     from rich.columns import Columns
     from rich.panel import Panel
     from rich.table import Table
@@ -294,8 +306,8 @@ def _print_generations(model, tokenizer, prompt: str, specs: tuple[str, ...], ma
     results, panels = [], []
     for spec in specs:
         with status(console, f"generating with {spec} (twice: the first call builds and compiles its kernels) ..."):
-            first = generate_text(model, tokenizer, prompt, spec, max_new_tokens, path=path)
-            res = generate_text(model, tokenizer, prompt, spec, max_new_tokens, path=path)
+            first = generate_text(model, tokenizer, prompt, spec, max_new_tokens, path=path, compile=compile)
+            res = generate_text(model, tokenizer, prompt, spec, max_new_tokens, path=path, compile=compile)
         res.first_call_seconds = first.seconds
         results.append(res)
         post_text = "n/a" if res.sparsity_post_warmup is None else f"{res.sparsity_post_warmup:.3f}"
@@ -324,7 +336,7 @@ def _print_generations(model, tokenizer, prompt: str, specs: tuple[str, ...], ma
 
 
 def _write_generations(path: Path, model_name: str, model, prompt: str, max_new_tokens: int, gen_path: str,
-                       results: list[Generation]) -> None:
+                       results: list[Generation], compile: bool = False) -> None:
     from .output import json_bytes, save_run
     from .parallel import is_main_rank
     from .report import versions
@@ -332,7 +344,7 @@ def _write_generations(path: Path, model_name: str, model, prompt: str, max_new_
     if not is_main_rank():
         return
     payload = {"model": model_name, "device": model.device.type, "dtype": str(model.dtype).removeprefix("torch."),
-               "prompt": prompt, "max_new_tokens": max_new_tokens, "path": gen_path, "versions": versions(),
+               "prompt": prompt, "max_new_tokens": max_new_tokens, "path": gen_path, "compile": compile, "versions": versions(),
                "results": [{**asdict(r), "tokens_per_s": r.tokens_per_s} for r in results]}
     save_run(path.parent, {path.name: json_bytes(payload)})
     console.print(f"wrote {path}", highlight=False)

@@ -238,6 +238,7 @@ CLI_ROWS: list[Cli] = [
     Cli("generate --max-new-tokens 0", "Invalid value for '--max-new-tokens'"),
     Cli("generate --path compiled", "Invalid value for '--path': 'compiled' is not one of 'auto', 'fast', 'reference'"),
     Cli("generate --device tpu", "--device tpu: expected auto, cpu, cuda or cuda:N"),
+    Cli("generate --path reference --compile", "--compile applies to the fast path; --path reference runs transformers' generate"),
     Cli("eval ifeval --method full --device gpu0", "--device gpu0: expected auto, cpu, cuda or cuda:N"),
     Cli("analyze --device tpu", "--device tpu: expected auto, cpu, cuda or cuda:N"),
     # models

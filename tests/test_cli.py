@@ -191,6 +191,25 @@ def test_generate_writes_json_and_names_the_fallback(embedded, tmp_path, capsys,
         assert row["first_call_seconds"] > 0
 
 
+def test_generate_compile_reaches_the_fast_path(embedded, tmp_path, capsys, monkeypatch):
+    """--compile hands compile=True to siftattention.generate (tests/test_generation.py checks what it does; the
+    real compile of the embedded model takes about a minute on a CPU, so the call runs eagerly here)."""
+    import siftattention.cli as cli_module
+    import siftattention.generation as generation
+
+    seen, real = [], generation.generate
+
+    def recording(*args, compile=False, **kwargs):
+        seen.append(compile)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cli_module, "_load", lambda name, device, dtype: embedded)
+    monkeypatch.setattr(generation, "generate", recording)
+    main(["generate", "--prompt", "Hello", "--method", "full", "--max-new-tokens", "2", "--compile", "--out", str(tmp_path)])
+    assert seen == [True, True]  # the untimed first call and the timed one
+    assert json.loads((tmp_path / "generations.json").read_text())["compile"] is True
+
+
 def test_models_say_whether_each_is_installed(capsys):
     from siftattention.models import EMBEDDED
 

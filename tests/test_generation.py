@@ -99,6 +99,25 @@ def test_a_chunked_prefill_gives_the_unchunked_tokens(method):
         assert (chunked.scores.log_softmax(-1) - whole.scores.log_softmax(-1)).abs().max().item() <= 1e-4
 
 
+def test_compiled_decode_steps_give_the_eager_tokens():
+    """``compile=True`` runs the decode step's model code through torch.compile (the attention stays
+    eager): the same tokens and, within float32 reassociation, the same log-probs as the eager loop,
+    dense (Sift's warmup) steps and sparse steps alike."""
+    import copy
+
+    method = Sift(tau=0.6, warmup=4)
+    model = _model(tiny_qwen2)
+    ids, mask = _left_padded_batch(seed=3)
+    eager = generate(model, ids, mask, copy.deepcopy(method), max_new_tokens=8, eos_token_id=-1, output_scores=True)
+    compiled = generate(model, ids, mask, copy.deepcopy(method), max_new_tokens=8, eos_token_id=-1, output_scores=True,
+                        compile=True)
+    assert "_siftattention_compiled_forward" in model.__dict__  # the decode steps ran the compiled forward
+    assert torch.equal(compiled.sequences, eager.sequences)
+    assert (compiled.scores.log_softmax(-1) - eager.scores.log_softmax(-1)).abs().max().item() <= 1e-4
+    assert compiled.stats.realized_sparsity() == pytest.approx(eager.stats.realized_sparsity(), abs=1e-12)
+    assert compiled.stats.realized_sparsity(post_warmup=True) > 0.05
+
+
 class _KeepAllSift(Sift):
     """Sift whose fitted threshold is 0 (alpha = 0), so every key passes the filter."""
 

@@ -29,14 +29,14 @@ from siftattention import Full, Sift, apply  # noqa: E402
 ATTENTION = ("_scores_kernel", "_filter_kernel", "_dense_kernel", "_quantile_kernel", "_warmup")
 
 
-def profiled_steps(model, ids: torch.Tensor, method, warm: int, steps: int) -> dict:
+def profiled_steps(model, ids: torch.Tensor, method, warm: int, steps: int, compile: bool = False) -> dict:
     """Kernel device time per step of ``steps`` graph replays after ``warm`` steps, and the wall time per step."""
     from torch.profiler import ProfilerActivity, profile
 
     handle = apply(model, method)
     loop = None
     try:
-        loop = prefilled_loop(model, handle, ids, warm + steps + 2, True, 4096)  # a step writes one position ahead
+        loop = prefilled_loop(model, handle, ids, warm + steps + 2, True, 4096, compile)  # a step writes one position ahead
         with torch.inference_mode():
             for step in range(warm):
                 loop.decode(step)
@@ -67,14 +67,14 @@ def profiled_steps(model, ids: torch.Tensor, method, warm: int, steps: int) -> d
             "top": [(k[:90], round(v, 4)) for k, v in top]}
 
 
-def step_trace(model, ids: torch.Tensor, method, new: int) -> list[tuple[int, str, float]]:
+def step_trace(model, ids: torch.Tensor, method, new: int, compile: bool = False) -> list[tuple[int, str, float]]:
     """(step, phase, ms) of every decode step of one ``new``-token call of the loop (graphs, a CUDA event pair a step),
     and beside it nothing else: how a step's time moves along a whole call."""
     handle = apply(model, method)
     marks = []
     loop = None
     try:
-        loop = prefilled_loop(model, handle, ids, new, ids.is_cuda, 4096)
+        loop = prefilled_loop(model, handle, ids, new, ids.is_cuda, 4096, compile)
         with torch.inference_mode():
             for step in range(new - 1):
                 a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -92,15 +92,17 @@ def step_trace(model, ids: torch.Tensor, method, new: int) -> list[tuple[int, st
     return [(step, phase, a.elapsed_time(b)) for step, phase, a, b in marks]
 
 
-def generate_steady(model, ids: torch.Tensor, method, new: int) -> dict:
+def generate_steady(model, ids: torch.Tensor, method, new: int, compile: bool = False) -> dict:
     """``generate``'s own phase timings for a second, identical call (the first compiles and captures)."""
     import copy
 
     from siftattention import generate
 
-    generate(model, ids, None, copy.deepcopy(method), max_new_tokens=new, eos_token_id=-1, pad_token_id=0, prefill_chunk=4096)
+    generate(model, ids, None, copy.deepcopy(method), max_new_tokens=new, eos_token_id=-1, pad_token_id=0, prefill_chunk=4096,
+             compile=compile)
     free()
-    res = generate(model, ids, None, method, max_new_tokens=new, eos_token_id=-1, pad_token_id=0, prefill_chunk=4096)
+    res = generate(model, ids, None, method, max_new_tokens=new, eos_token_id=-1, pad_token_id=0, prefill_chunk=4096,
+                   compile=compile)
     phases = res.timings["phases"]
     free()
     return phases
@@ -126,6 +128,7 @@ def main() -> None:
     ap.add_argument("--data-file", action="append", default=[], help="text after WikiText-2 (with --model)")
     ap.add_argument("--trace", type=int, default=0, metavar="NEW",
                     help="also every step's time along one NEW-token call of the loop, and generate's own steady step")
+    ap.add_argument("--compile", action="store_true", help="the decode step's model code through torch.compile")
     ap.add_argument("--out", type=Path, default=Path("step_anatomy.json"))
     args = ap.parse_args()
     print(torch.cuda.get_device_name(), flush=True)
@@ -141,15 +144,15 @@ def main() -> None:
         ids = torch.randint(3, 32000, (args.batch, args.prompt), device="cuda")
     report: dict = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "args": vars(args) | {"out": str(args.out)}}
     for name, method in (("dense", Full()), ("sift", Sift(tau=args.tau)), ("dense_again", Full())):
-        report[name] = profiled_steps(model, ids, method, args.warm, args.steps)
+        report[name] = profiled_steps(model, ids, method, args.warm, args.steps, args.compile)
         print(name, json.dumps({k: v for k, v in report[name].items() if k != "top"}), flush=True)
     report["attention_alone"] = attention_share(model, ids, args.tau, 16)
     print("attention alone", json.dumps(report["attention_alone"]), flush=True)
     if args.trace:
         for name, make in (("dense", Full), ("sift", lambda: Sift(tau=args.tau))):
-            trace = step_trace(model, ids, make(), args.trace)
+            trace = step_trace(model, ids, make(), args.trace, args.compile)
             report.setdefault("trace", {})[name] = trace
-            report.setdefault("generate_phases", {})[name] = generate_steady(model, ids, make(), args.trace)
+            report.setdefault("generate_phases", {})[name] = generate_steady(model, ids, make(), args.trace, args.compile)
             print(f"{name}: median step ms by 32 steps: {'; '.join(_windows(trace, 32))}", flush=True)
             print(f"{name}: generate's phases: {json.dumps(report['generate_phases'][name])}", flush=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
