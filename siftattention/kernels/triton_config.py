@@ -189,8 +189,11 @@ class KernelConfig:
     # (H200, s = 0.875, ratio to SDPA one-pass / two-pass: GQA 32/8 B = 8 and 16, S = 32768
     # 0.815-0.826 / 0.94-0.955; B = 4, S = 32768 0.96 / 0.955; B = 8, S = 16384 0.97 / 0.95;
     # B <= 2 1.16-1.36 / 0.96-1.08; MHA 32/32 B = 8 0.85-0.98 / 0.67-0.69;
-    # decode_quick_anchored2_h200.json, decode_anchored_forms_h200.json).
-    onepass_min_rows: int = 64
+    # decode_quick_anchored2_h200.json, decode_anchored_forms_h200.json). At 32 rows the real
+    # Qwen2.5-1.5B (GQA 12/2, B = 16, S = 32768, compiled loop, H100) decodes 1.112x dense with
+    # the one-pass kernel and 0.973x with the two passes (real_qwen_anchored_*onepass_compile_h100.json);
+    # SmolLM2's short caches (S <= 8192) lose with it (0.73x against 1.02x), below onepass_min_len.
+    onepass_min_rows: int = 32
     onepass_min_len: int = 24576
 
     def __post_init__(self):
