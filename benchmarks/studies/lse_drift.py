@@ -12,7 +12,9 @@ real decode's), per (layer, query head, step) after a prompt of ``--prompt`` tok
 
 It reports the drift ``|LSE_t - prediction|`` in nats; for band half-widths ``delta``, the
 share of keys within ``delta`` of the threshold (what an exact design would set aside for a
-second look) and how often the drift fits in the band; and, filtering with each prediction's
+second look) and how often the drift fits in the band, per head and per KV group (a group's V
+rows are read once for all its heads, so an exact one-pass design repairs a group only when
+every head's drift fits; its band is the keys some head of the group has inside); and, filtering with each prediction's
 threshold (``eta`` = the exact tau-quantile, so only the normaliser is predicted), the
 realized sparsity, the attention output's error against full attention (float64), and the
 share of keys decided unlike the exact filter. Sliding-window layers (Gemma-3) are masked as
@@ -83,7 +85,11 @@ def main():
     predictors = ("previous", "anchored")
     filters = ("exact",) + predictors
     drift = {k: [] for k in predictors}
+    group_drift = {k: [] for k in predictors}  # the largest drift over the heads of a KV group
+    cfg = model.config.get_text_config()
+    G = cfg.num_attention_heads // cfg.num_key_value_heads
     inband = {d: [] for d in args.deltas}
+    inband_group = {d: [] for d in args.deltas}
     err = {f: [] for f in filters}
     err_global = {f: [] for f in filters}  # full-attention layers only (the others see a sliding window)
     kept = {f: [] for f in filters}
@@ -97,7 +103,9 @@ def main():
             a = anchored_lse(s, *args.anchor)
             pred = {"previous": lse[:, :-1], "anchored": a[:, 1:] + lse[:, :-1] - a[:, :-1]}
             for k in predictors:
-                drift[k].append((lse[:, 1:] - pred[k]).abs().flatten())
+                d = (lse[:, 1:] - pred[k]).abs()
+                drift[k].append(d.flatten())
+                group_drift[k].append(d.view(-1, G, d.shape[-1]).amax(1).flatten())
             for j in range(1, s.shape[1]):
                 n = args.prompt + j
                 valid = torch.isfinite(s[0, j, :n])  # the layer's mask is the same for every head
@@ -108,7 +116,9 @@ def main():
                 for k in predictors:
                     thr[k] = log_theta + pred[k][:, j - 1]
                 for dl in args.deltas:
-                    inband[dl].append(((row - thr["exact"][:, None]).abs() <= dl).double().mean(-1))
+                    near = (row - thr["exact"][:, None]).abs() <= dl
+                    inband[dl].append(near.double().mean(-1))
+                    inband_group[dl].append(near.view(-1, G, near.shape[-1]).any(1).double().mean(-1))
                 full = torch.bmm(p[:, None], vals)[:, 0]
                 keep_exact = row > thr["exact"][:, None]
                 for f in filters:
@@ -123,14 +133,18 @@ def main():
                         flipped[f].append((keep != keep_exact).double().mean(-1))
     qs = [0.5, 0.9, 0.99]
     drift = {k: torch.cat(d) for k, d in drift.items()}
+    group_drift = {k: torch.cat(d) for k, d in group_drift.items()}
     res = dict(model=args.model, prompt=args.prompt, steps=args.steps, windows=args.windows, tau=args.tau,
                anchor=args.anchor, rows=int(drift["previous"].numel()), date=time.strftime("%Y-%m-%d"),
                drift={k: dict({f"p{int(q * 100)}": float(torch.quantile(d, q)) for q in qs}, max=float(d.max()))
                       for k, d in drift.items()},
                # the rows whose drift fits inside the band
                bands=[dict(delta=dl, keys_in_band=float(torch.cat(inband[dl]).mean()),
-                           **{f"hit_{k}": float((d <= dl).double().mean()) for k, d in drift.items()})
+                           key_rows_in_group_band=float(torch.cat(inband_group[dl]).mean()),
+                           **{f"hit_{k}": float((d <= dl).double().mean()) for k, d in drift.items()},
+                           **{f"group_hit_{k}": float((d <= dl).double().mean()) for k, d in group_drift.items()})
                       for dl in args.deltas],
+               query_heads_per_group=G,
                filters={f: dict(realized_sparsity=1 - float(torch.cat(kept[f]).mean()),
                                 output_rel_err=float(torch.cat(err[f]).mean()),
                                 output_rel_err_full_attention_layers=float(torch.cat(err_global[f]).mean()),
@@ -143,9 +157,11 @@ def main():
     for k in predictors:
         d = res["drift"][k]
         print(f"| {k} | {d['p50']:.3f} | {d['p90']:.3f} | {d['p99']:.3f} | {d['max']:.3f} |")
-    print("\n| band half-width (nats) | keys in the band | drift inside, previous | drift inside, anchored |\n|---|---|---|---|")
+    print(f"\n| band half-width (nats) | keys in the band: a head / some head of a group of {G} | drift inside, previous: "
+          "a head / every head of a group | drift inside, anchored: a head / every head of a group |\n|---|---|---|---|")
     for b in res["bands"]:
-        print(f"| {b['delta']} | {b['keys_in_band']:.4f} | {b['hit_previous']:.4f} | {b['hit_anchored']:.4f} |")
+        print(f"| {b['delta']} | {b['keys_in_band']:.4f} / {b['key_rows_in_group_band']:.4f} | {b['hit_previous']:.4f} / "
+              f"{b['group_hit_previous']:.4f} | {b['hit_anchored']:.4f} / {b['group_hit_anchored']:.4f} |")
     print("\n| filter threshold from | realized sparsity | output rel. error vs full attention (all layers; "
           "full-attention layers) | keys decided unlike exact |\n|---|---|---|---|")
     for f in filters:
