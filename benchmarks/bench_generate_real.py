@@ -18,8 +18,9 @@ exact step's bytes. The byte floor reads the weights and the valid KV cache once
 at the copy bandwidth measured in the same run; Sift's ceiling reads all of K and the kept V.
 ``--session`` times each method's second call of a ``DecodeSession`` (the first, untimed, captures the
 graphs), so decode tokens/s covers a whole call without captures; every row counts its call's ``captures``.
-``--compile`` runs every fast-path method's decode step through ``torch.compile`` (the model's small ops fused
-around the attention, dense and sparse alike).
+Every fast-path method's decode step runs through ``torch.compile`` (the model's small ops fused around the
+attention, dense and sparse alike: the fastest dense loop, 1.19-1.59x the eager one on the real models);
+``--no-compile`` runs them eagerly.
 ``--check`` first compares the dense fast path's greedy tokens with transformers' generate
 on the same model and dtype, and says where they part (the top-2 logit gap there).
 ``--methods dense sift sift_keybound sift_keybound_channel`` sets the key-bound step, on its
@@ -140,8 +141,9 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="device time per kernel of one eager decode step, dense and Sift")
     ap.add_argument("--session", action="store_true",
                     help="time each method's second call of a DecodeSession: whole-call tokens/s without graph captures")
-    ap.add_argument("--compile", action="store_true",
-                    help="every fast-path method's decode step through torch.compile (generate(compile=True))")
+    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                    help="every fast-path method's decode step through torch.compile (generate(compile=True)): the "
+                         "fastest dense loop, so the default; --no-compile runs the steps eagerly")
     ap.add_argument("--out", type=Path, default=Path("bench_generate_real.json"))
     args = ap.parse_args()
     if not torch.cuda.is_available():
