@@ -724,9 +724,20 @@ def _load_kernel(files: dict[str, str], condition: Callable[[dict[str, str], Any
         return cpu_decode.load()
 
 
+def _compile_without_compiler(_: Any) -> Any:
+    from torch._inductor import config as inductor_config
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(inductor_config.cpp, "cxx", (None, "/nonexistent/c++"))
+        return _gen(compile=True)
+
+
 WARN_ROWS: list[ApiWarns] = [
     ApiWarns("generate(method=H2O(k=0.5))", _fallback_notice, "FallbackWarning",
              "using transformers' generate (h2o has no device-side decode step"),
+    ApiWarns("generate(compile=True) on the CPU without a C++ compiler", _compile_without_compiler, "SiftWarning",
+             "siftattention.generate: compile=True is not used: torch.compile needs a C++ compiler on the CPU and found "
+             "none (/nonexistent/c++); the decode steps run eagerly"),
     ApiWarns("the CPU kernel without a C++ compiler", lambda f: _load_kernel(f, no_compiler), "SiftWarning",
              "the fused CPU decode kernel is not used: no C++ compiler found"),
     ApiWarns("the CPU kernel with SIFTATTENTION_CACHE a file", lambda f: _load_kernel(f, cache_is_a_file), "SiftWarning",

@@ -118,6 +118,28 @@ def test_compiled_decode_steps_give_the_eager_tokens():
     assert compiled.stats.realized_sparsity(post_warmup=True) > 0.05
 
 
+def test_compile_without_a_cpp_compiler_warns_once_and_decodes_eagerly(monkeypatch):
+    """On the CPU torch.compile builds C++: with no compiler, one warning before the prefill, then the eager steps."""
+    from torch._inductor import config as inductor_config
+
+    from siftattention.notices import SiftWarning
+
+    model = _model(tiny_qwen2)
+    ids, mask = _left_padded_batch(seed=5)
+    eager = generate(model, ids, mask, Full(), max_new_tokens=4, eos_token_id=-1)
+    monkeypatch.setattr(inductor_config.cpp, "cxx", (None, "/nonexistent/c++"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        res = generate(model, ids, mask, Full(), max_new_tokens=4, eos_token_id=-1, compile=True)
+    said = [w for w in caught if issubclass(w.category, SiftWarning)]
+    assert [str(w.message) for w in said] == [
+        "siftattention.generate: compile=True is not used: torch.compile needs a C++ compiler on the CPU and found "
+        "none (/nonexistent/c++); the decode steps run eagerly"]
+    assert said[0].filename == __file__  # pointed at the caller's line
+    assert "_siftattention_compiled_forward" not in model.__dict__
+    assert torch.equal(res.sequences, eager.sequences)
+
+
 class _KeepAllSift(Sift):
     """Sift whose fitted threshold is 0 (alpha = 0), so every key passes the filter."""
 

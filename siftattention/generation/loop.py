@@ -15,6 +15,7 @@ at the same cache position.
 from __future__ import annotations
 
 import inspect
+import shutil
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -28,7 +29,7 @@ from ..inputs import check_sampling, check_token_id, check_token_inputs
 from ..methods import Full
 from ..methods.base import KeyRange, Method, check_int, state_tensors
 from ..models import warn_beyond_positions
-from ..notices import FallbackWarning
+from ..notices import FallbackWarning, SiftWarning
 from ..parallel import device_map_devices
 from .cache import FixedCache
 
@@ -192,6 +193,20 @@ def _compiled_forward(model: torch.nn.Module) -> Any:
     return compiled
 
 
+def _compile_problem(device: torch.device) -> str | None:
+    """Why torch.compile cannot build the decode step for ``device``, or None: on the CPU its backend (Inductor)
+    compiles C++ with the first compiler of ``torch._inductor.config.cpp.cxx`` that it finds (``$CXX``, else g++)."""
+    if device.type != "cpu":
+        return None
+    from torch._inductor import config as inductor_config
+
+    cxx = inductor_config.cpp.cxx
+    names = [c for c in (cxx if isinstance(cxx, (list, tuple)) else (cxx,)) if c]
+    if any(shutil.which(c) for c in names):
+        return None
+    return f"torch.compile needs a C++ compiler on the CPU and found none ({', '.join(names) or 'none configured'})"
+
+
 def _forward_kwargs(model: torch.nn.Module) -> set[str]:
     return set(inspect.signature(model.forward).parameters)
 
@@ -209,6 +224,11 @@ class _Loop:
     def __init__(self, model, handle: SiftHandle, batch: int, max_len: int, max_new_tokens: int, device: torch.device,
                  sampler, eos, pad_token_id, use_graphs, output_scores=False, compile=False, keep=False) -> None:
         self.model, self.handle, self.sampler = model, handle, sampler
+        problem = _compile_problem(device) if compile else None
+        if problem:  # said before the prefill; the steps then run as they would uncompiled
+            warnings.warn(f"siftattention.generate: compile=True is not used: {problem}; the decode steps run eagerly",
+                          SiftWarning, stacklevel=3)
+            compile = False
         # torch.compile fuses the model's small ops around the attention (which stays eager).
         self.forward = _compiled_forward(model) if compile else model.forward
         self.B, self.max_len, self.max_new = batch, max_len, max_new_tokens
