@@ -15,6 +15,7 @@ at the same cache position.
 from __future__ import annotations
 
 import inspect
+import os
 import shutil
 import time
 import warnings
@@ -195,16 +196,13 @@ def _compiled_forward(model: torch.nn.Module) -> Any:
 
 def _compile_problem(device: torch.device) -> str | None:
     """Why torch.compile cannot build the decode step for ``device``, or None: on the CPU its backend (Inductor)
-    compiles C++ with the first compiler of ``torch._inductor.config.cpp.cxx`` that it finds (``$CXX``, else g++)."""
+    compiles C++ with ``$CXX``, else g++ (its default search)."""
     if device.type != "cpu":
         return None
-    from torch._inductor import config as inductor_config
-
-    cxx = inductor_config.cpp.cxx
-    names = [c for c in (cxx if isinstance(cxx, (list, tuple)) else (cxx,)) if c]
-    if any(shutil.which(c) for c in names):
+    name = os.environ.get("CXX", "g++")
+    if shutil.which(name):
         return None
-    return f"torch.compile needs a C++ compiler on the CPU and found none ({', '.join(names) or 'none configured'})"
+    return f"torch.compile needs a C++ compiler on the CPU and found none ({name})"
 
 
 def _forward_kwargs(model: torch.nn.Module) -> set[str]:
