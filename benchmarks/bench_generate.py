@@ -263,6 +263,7 @@ def profile_steps(model, ids, method, new: int = 6, graphs: bool = False, steps:
     from torch.profiler import ProfilerActivity, profile
 
     handle = apply(model, method)
+    loop = None
     try:
         loop = prefilled_loop(model, handle, ids, new + steps, graphs)
         with torch.inference_mode():
@@ -276,7 +277,8 @@ def profile_steps(model, ids, method, new: int = 6, graphs: bool = False, steps:
                 torch.cuda.synchronize()
                 wall_ms = (time.perf_counter() - start) * 1e3 / steps
     finally:
-        handle.context = handle.prompt_len = None
+        if loop is not None:
+            loop.detach()
         handle.remove()
     free()
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70)
@@ -334,13 +336,15 @@ def capture_decode_calls(model, ids, tau: float, warmup: int) -> tuple[Sift, lis
 
     method.decode_step = spy
     handle = apply(model, method)
+    loop = None
     try:
         loop = prefilled_loop(model, handle, ids, warmup + 4, False)
         with torch.inference_mode():
             for step in range(warmup + 2):
                 loop.decode(step)
     except BaseException:
-        handle.context = handle.prompt_len = None
+        if loop is not None:
+            loop.detach()
         handle.remove()
         raise
     method.decode_step = original

@@ -173,7 +173,7 @@ def generate_text(model, tokenizer, prompt: str, spec: str, max_new_tokens: int,
     back to transformers' ``generate`` for a method it cannot serve, saying why in
     ``fallback_reason``); "reference" through ``reference_generate`` (transformers'
     ``generate`` under ``apply``). Both give the same tokens. ``compile``: the fast path's decode
-    steps through torch.compile (``generate(compile=True)``; not with "reference").
+    steps through torch.compile (``generate(compile=True)``; the command refuses it with "reference").
     """
     import warnings
 
@@ -182,8 +182,6 @@ def generate_text(model, tokenizer, prompt: str, spec: str, max_new_tokens: int,
 
     if path not in GENERATE_PATHS:
         raise ValueError(f"path must be one of {', '.join(GENERATE_PATHS)}, got {path!r}")
-    if compile and path == "reference":
-        raise ValueError("compile applies to the fast path (siftattention.generate), not to path 'reference'")
     if chat and getattr(tokenizer, "chat_template", None):
         ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True)
     else:

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench_generate import attention_share, free, planted_qwen_model, prefilled_loop  # noqa: E402
+from bench_generate import attention_share, fast, free, planted_qwen_model, prefilled_loop  # noqa: E402
 
 from siftattention import Full, Sift, apply  # noqa: E402
 
@@ -92,22 +92,6 @@ def step_trace(model, ids: torch.Tensor, method, new: int, compile: bool = False
     return [(step, phase, a.elapsed_time(b)) for step, phase, a, b in marks]
 
 
-def generate_steady(model, ids: torch.Tensor, method, new: int, compile: bool = False) -> dict:
-    """``generate``'s own phase timings for a second, identical call (the first compiles and captures)."""
-    import copy
-
-    from siftattention import generate
-
-    generate(model, ids, None, copy.deepcopy(method), max_new_tokens=new, eos_token_id=-1, pad_token_id=0, prefill_chunk=4096,
-             compile=compile)
-    free()
-    res = generate(model, ids, None, method, max_new_tokens=new, eos_token_id=-1, pad_token_id=0, prefill_chunk=4096,
-                   compile=compile)
-    phases = res.timings["phases"]
-    free()
-    return phases
-
-
 def _windows(trace: list[tuple[int, str, float]], width: int) -> list[str]:
     out = []
     for lo in range(0, len(trace), width):
@@ -152,7 +136,8 @@ def main() -> None:
         for name, make in (("dense", Full), ("sift", lambda: Sift(tau=args.tau))):
             trace = step_trace(model, ids, make(), args.trace, args.compile)
             report.setdefault("trace", {})[name] = trace
-            report.setdefault("generate_phases", {})[name] = generate_steady(model, ids, make(), args.trace, args.compile)
+            # generate's own phases, a second identical call (the first compiles and captures)
+            report.setdefault("generate_phases", {})[name] = fast(model, ids, make(), args.trace, 4096, args.compile)["phases"]
             print(f"{name}: median step ms by 32 steps: {'; '.join(_windows(trace, 32))}", flush=True)
             print(f"{name}: generate's phases: {json.dumps(report['generate_phases'][name])}", flush=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
