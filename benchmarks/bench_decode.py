@@ -466,6 +466,7 @@ def run_tune_grid(args):
     base = td.config_for(torch.device(DEV))
     # Knobs of the dense kernel and of the warmup (every quantile_* knob too).
     dense_keys = {"block_nd", "warpsd", "stagesd", "programsd", "min_splitd", "residentd", "filld", "whole_wavesd", "wavesd", "warmup_dense",
+                  "min_splitd_narrow",
                   "min_splitq", "evict", "fill", "maxnregd", "maxnregq"}
 
     def dense_knobs(kw: dict) -> set:
@@ -474,7 +475,7 @@ def run_tune_grid(args):
     scores_keys = {"block_n1", "warps1", "stages1", "programs1", "min_split1", "fill", "resident1", "waves1", "evict", "use_dot",
                    "persist1", "maxnreg1"}
     for (B, Hq, Hkv, S) in shapes:
-        D, dt = 128, torch.float16
+        D, dt = args.head_dim, torch.float16
         sets = [make_inputs(B, Hq, Hkv, S, D, dt, args.logit_std, (args.group_corr or [0.0])[0], gen) for _ in range(args.sets)]
         sl = full_lens(B, S)
         t_sdpa = bench_graph(sdpa_decode, sets)
@@ -488,7 +489,7 @@ def run_tune_grid(args):
             except Exception as e:  # noqa: BLE001
                 print("fail", kw, repr(e)[:300], flush=True)
                 continue
-            res = dict(B=B, Hq=Hq, Hkv=Hkv, S=S, cfg=kw, sdpa_graph_ms=t_sdpa, splits=[kern.geometry[x] for x in ("ns1", "ns2", "nsd")])
+            res = dict(B=B, Hq=Hq, Hkv=Hkv, S=S, D=D, cfg=kw, sdpa_graph_ms=t_sdpa, splits=[kern.geometry[x] for x in ("ns1", "ns2", "nsd")])
             if not kw or scores_keys & set(kw):
                 geo, ws, scale = kern.geometry, kern.workspace, D**-0.5
                 t = bench_graph(lambda q, k, v: td.scores_pass(geo, ws, q, k, scale, sl, None, cfg, False), sets)
@@ -526,7 +527,7 @@ def run_tune_grid(args):
             extra = "".join(f" {n}:{res[n]['ratio']:.3f}" for n in ("scores_pass", "dense", "warmup") if n in res)
             if "warmup" in res:
                 extra += f" theta_rel:{res['warmup']['theta_rel']:.1e}"
-            print(f"grid B={B} H={Hq}/{Hkv} S={S} {json.dumps(kw):60s} sdpa {t_sdpa:.4f} ms  {cells}{extra}", flush=True)
+            print(f"grid B={B} H={Hq}/{Hkv} S={S} D={D} {json.dumps(kw):60s} sdpa {t_sdpa:.4f} ms  {cells}{extra}", flush=True)
         del sets
         torch.cuda.empty_cache()
     for r in kernel_resources():

@@ -276,6 +276,25 @@ def test_small_batch_split_plans(S):
         assert _plan(1, 32, 8, S, 128, torch.float16, sms, True, False, old)["ns2"] * 8 == 4 * sms
 
 
+def test_narrow_head_dense_plan():
+    # Heads of 64 channels take dense splits of at least min_splitd_narrow keys, not min_splitd: SmolLM2's
+    # 48 (batch, KV head) rows of 8192 keys get 8 splits (384 programs for 132 SMs), not 2 (96 programs,
+    # a third of the SMs idle); wider heads keep the rule they had.
+    from siftattention.kernels.triton_config import KernelConfig, _cdiv, _plan
+
+    cfg, sms = KernelConfig(), 132
+    for B, Hkv, S in ((16, 3, 8192), (32, 3, 4096), (8, 3, 8192), (4, 3, 32768)):
+        rows = B * Hkv
+        narrow = _plan(B, 3 * Hkv, Hkv, S, 64, torch.bfloat16, sms, True, False, cfg)["nsd"]
+        wide = _plan(B, 3 * Hkv, Hkv, S, 128, torch.bfloat16, sms, True, False, cfg)["nsd"]
+        fill = (cfg.filld * sms) // rows
+        assert narrow == max(min(_cdiv(cfg.programsd * sms, rows), _cdiv(S, cfg.min_splitd_narrow)), fill), (B, S, narrow)
+        assert wide == max(min(_cdiv(cfg.programsd * sms, rows), _cdiv(S, cfg.min_splitd)), fill), (B, S, wide)
+    assert _plan(16, 9, 3, 8192, 64, torch.bfloat16, sms, True, False, cfg)["nsd"] == 8
+    same = KernelConfig(min_splitd_narrow=cfg.min_splitd)
+    assert _plan(16, 9, 3, 8192, 64, torch.bfloat16, sms, True, False, same)["nsd"] == 2
+
+
 def test_persistent_scores_plan():
     # The scores pass turns persistent (a fixed grid looping over every (split, row)) only with
     # many rows and several rounds of work per program; small batches and short caches keep

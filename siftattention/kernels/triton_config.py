@@ -177,6 +177,11 @@ class KernelConfig:
     # Fewest keys per dense split: 4096 instead of 2048 took B = 1, S = 131072 from 1.15 to
     # 1.07x SDPA and MHA B = 8, S = 8192 from 1.05 to 1.01x; no target shape lost.
     min_splitd: int = 4096
+    # The same for heads of at most 64 channels, whose rows carry half the bytes: at 4096 keys a
+    # split, SmolLM2's 48 rows of 8192 keys made 96 programs for 132 SMs (H100, GQA 9/3, D = 64, ratio
+    # to SDPA 4096 -> 1024: B = 16, S = 8192 1.233 -> 1.033; B = 32, S = 4096 1.183 -> 0.966; B = 8,
+    # S = 8192 1.187 -> 1.042; B = 4, S = 32768 1.098 -> 1.062; B = 1 unchanged; dense_split_rules_d64*_h100.json).
+    min_splitd_narrow: int = 1024
     # Register caps per thread (0: the compiler's choice) of the scores, filter, dense and
     # quantile kernels: a cap trades a few spills for one more resident program per SM.
     maxnreg1: int = 0
@@ -321,7 +326,8 @@ def _plan(
     max_split2 = cfg.max_split2_persist_gqa if gqa and persistent else 0
     ns2 = _splits(S, rows, block_n2, programs2, sms, cfg.min_split2, cfg.fill2, resident2, cfg.whole_waves2,
                   max_len=max_split2)
-    nsd = _splits(S, rows, block_nd, cfg.programsd, sms, cfg.min_splitd, cfg.filld, cfg.residentd, cfg.whole_wavesd,
+    min_splitd = cfg.min_splitd_narrow if D <= 64 else cfg.min_splitd
+    nsd = _splits(S, rows, block_nd, cfg.programsd, sms, min_splitd, cfg.filld, cfg.residentd, cfg.whole_wavesd,
                   max_waves=cfg.wavesd)
     parallel = (B * Hq <= sms) if cfg.quantile_parallel == "auto" else bool(cfg.quantile_parallel)
     bracket = cfg.quantile_sample > 0
