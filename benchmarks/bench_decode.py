@@ -436,11 +436,11 @@ TUNE_GRID = [
 
 def kernel_resources() -> list:
     """Registers, spills and shared memory of every compiled decode kernel (Triton's caches)."""
-    from siftattention.kernels import triton_quantile
+    from siftattention.kernels import triton_dense, triton_filter, triton_quantile, triton_scores
 
     res = []
-    for mod, name in ((td, "_scores_kernel"), (td, "_filter_kernel"), (triton_quantile, "_quantile_kernel"),
-                      (td, "_dense_kernel")):
+    for mod, name in ((triton_scores, "_scores_kernel"), (triton_filter, "_filter_kernel"),
+                      (triton_quantile, "_quantile_kernel"), (triton_dense, "_dense_kernel")):
         try:
             for dev_cache in getattr(mod, name).device_caches.values():
                 for k in dev_cache[0].values():
