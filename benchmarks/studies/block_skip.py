@@ -23,11 +23,10 @@ import json
 import time
 
 import torch
-from transformers import AttentionInterface
+from lse_drift import probed_windows  # benchmarks/studies, this script's folder
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from siftattention.data import load_corpus, token_windows
-from siftattention.models import DEFAULT_MODEL, load_model
+from siftattention.models import DEFAULT_MODEL
 
 RECORD: list = []
 PROMPT = 0
@@ -61,10 +60,7 @@ def main() -> None:
     args = ap.parse_args()
     PROMPT = args.prompt
     t0 = time.time()
-    model, tok = load_model(args.model)
-    AttentionInterface.register("block_probe", probe)
-    model.config._attn_implementation = "block_probe"
-    ids = token_windows(load_corpus("wikitext2").text, tok, args.prompt + args.steps, args.windows)
+    model, ids = probed_windows(args.model, "block_probe", probe, args.prompt + args.steps, args.windows)
     acc = {(t, b): dict(union=[], hit=[], indep=[]) for t in args.taus for b in args.blocks}
     for w in range(args.windows):
         RECORD.clear()

@@ -63,6 +63,15 @@ def anchored_lse(s: torch.Tensor, first: int, last: int) -> torch.Tensor:
     return torch.logsumexp(s.masked_fill(~anchor[None], float("-inf")), dim=-1)
 
 
+def probed_windows(model_name: str, name: str, probe_fn, n_tokens: int, windows: int):
+    """The model with ``probe_fn`` as its attention (registered as ``name``) and ``windows`` WikiText-2 windows of
+    ``n_tokens`` tokens."""
+    model, tok = load_model(model_name)
+    AttentionInterface.register(name, probe_fn)
+    model.config._attn_implementation = name
+    return model, token_windows(load_corpus("wikitext2").text, tok, n_tokens, windows)
+
+
 def main():
     global PROMPT
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -78,10 +87,7 @@ def main():
     args = ap.parse_args()
     PROMPT = args.prompt
     t0 = time.time()
-    model, tok = load_model(args.model)
-    AttentionInterface.register("lse_probe", probe)
-    model.config._attn_implementation = "lse_probe"
-    ids = token_windows(load_corpus("wikitext2").text, tok, args.prompt + args.steps, args.windows)
+    model, ids = probed_windows(args.model, "lse_probe", probe, args.prompt + args.steps, args.windows)
     predictors = ("previous", "anchored")
     filters = ("exact",) + predictors
     drift = {k: [] for k in predictors}

@@ -26,11 +26,12 @@ import bench_decode as bd  # noqa: E402
 from siftattention.kernels import triton_config as tc  # noqa: E402
 
 
-def kernel_spans(fn, reps: int) -> list[tuple[str, float, float]]:
-    """(name, start us, end us) of every CUDA kernel of ``reps`` calls of ``fn``, in start order."""
+def kernel_spans(fn, reps: int, warmup: int = 3, kernels_only: bool = True) -> list[tuple[str, float, float]]:
+    """(name, start us, end us) of every CUDA kernel (``kernels_only=False``: every device activity, copies and
+    sets too) of ``reps`` calls of ``fn`` after ``warmup`` calls, in start order."""
     from torch.profiler import ProfilerActivity, profile
 
-    for _ in range(3):
+    for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -38,7 +39,7 @@ def kernel_spans(fn, reps: int) -> list[tuple[str, float, float]]:
             fn()
         torch.cuda.synchronize()
     spans = [(ev.name, ev.time_range.start, ev.time_range.end) for ev in prof.events()
-             if ev.device_type == torch.autograd.DeviceType.CUDA and "kernel" in ev.name.lower()]
+             if ev.device_type == torch.autograd.DeviceType.CUDA and (not kernels_only or "kernel" in ev.name.lower())]
     return sorted(spans, key=lambda s: s[1])
 
 

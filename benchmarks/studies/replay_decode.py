@@ -50,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/, 
 
 from bench_decode import make_inputs, thresholds  # noqa: E402
 from cpu_sparse_breakdown import timed  # noqa: E402
+from pass_timeline import kernel_spans  # noqa: E402
 from bench_generate import add_planting_args, capture_decode_calls, free, kept_counts, kept_masks, planted_model  # noqa: E402
 
 from siftattention import Sift  # noqa: E402
@@ -111,18 +112,9 @@ def host_ms(fn) -> float:
 
 def kernel_us(fn, n: int = 10) -> dict:
     """Device time per kernel name over ``n`` eager calls, per call."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(n):
-            fn()
-        torch.cuda.synchronize()
     per: dict[str, float] = {}
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            per[ev.name[:40]] = per.get(ev.name[:40], 0.0) + ev.device_time / n
+    for name, start, end in kernel_spans(fn, n, warmup=1, kernels_only=False):
+        per[name[:40]] = per.get(name[:40], 0.0) + (end - start) / n
     return per
 
 
