@@ -279,7 +279,7 @@ def test_small_batch_split_plans(S):
 def test_narrow_head_dense_plan():
     # Heads of 64 channels take dense splits of at least min_splitd_narrow keys, not min_splitd: SmolLM2's
     # 48 (batch, KV head) rows of 8192 keys get 8 splits (384 programs for 132 SMs), not 2 (96 programs,
-    # a third of the SMs idle); wider heads keep the rule they had.
+    # a quarter of the SMs idle); wider heads keep the rule they had.
     from siftattention.kernels.triton_config import KernelConfig, _cdiv, _plan
 
     cfg, sms = KernelConfig(), 132

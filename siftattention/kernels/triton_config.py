@@ -177,7 +177,7 @@ class KernelConfig:
     # Fewest keys per dense split: 4096 instead of 2048 took B = 1, S = 131072 from 1.15 to
     # 1.07x SDPA and MHA B = 8, S = 8192 from 1.05 to 1.01x; no target shape lost.
     min_splitd: int = 4096
-    # The same for heads of at most 64 channels, whose rows carry half the bytes: at 4096 keys a
+    # The same for heads of at most 64 channels, whose splits move half the bytes a key: at 4096 keys a
     # split, SmolLM2's 48 rows of 8192 keys made 96 programs for 132 SMs (H100, GQA 9/3, D = 64, ratio
     # to SDPA 4096 -> 1024: B = 16, S = 8192 1.233 -> 1.033; B = 32, S = 4096 1.183 -> 0.966; B = 8,
     # S = 8192 1.187 -> 1.042; B = 4, S = 32768 1.098 -> 1.062; B = 1 unchanged; dense_split_rules_d64*_h100.json).
