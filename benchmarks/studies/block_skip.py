@@ -21,12 +21,11 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 
 import torch
-from lse_drift import probed_windows  # benchmarks/studies, this script's folder
+from lse_drift import add_probe_args, decode_scores, probed_windows  # benchmarks/studies, this script's folder
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-from siftattention.models import DEFAULT_MODEL
 
 RECORD: list = []
 PROMPT = 0
@@ -34,26 +33,15 @@ PROMPT = 0
 
 def probe(module, query, key, value, attention_mask, scaling=None, **kw):
     """SDPA, recording each layer's scaled scores of the measured decode rows (float64) on the side."""
-    G = query.shape[1] // key.shape[1]
-    k = key.repeat_interleave(G, dim=1)
-    q = query[0, :, PROMPT - 1:].double()
-    s = torch.matmul(q, k[0].double().transpose(-1, -2)) * (scaling if scaling is not None else query.shape[-1] ** -0.5)
-    n = key.shape[2]
-    rows = torch.arange(PROMPT - 1, n)
-    allowed = torch.arange(n)[None, :] <= rows[:, None]
-    if kw.get("sliding_window"):
-        allowed &= torch.arange(n)[None, :] > rows[:, None] - kw["sliding_window"]
-    RECORD.append((s.masked_fill(~allowed[None], float("-inf")), G, bool(kw.get("sliding_window"))))
+    RECORD.append((decode_scores(query, key, scaling, kw.get("sliding_window"), PROMPT - 1),
+                   query.shape[1] // key.shape[1], bool(kw.get("sliding_window"))))
     return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kw)
 
 
 def main() -> None:
     global PROMPT
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default=DEFAULT_MODEL)
-    ap.add_argument("--prompt", type=int, default=4096)
-    ap.add_argument("--steps", type=int, default=32)
-    ap.add_argument("--windows", type=int, default=1)
+    add_probe_args(ap, prompt=4096, steps=32, windows=1)
     ap.add_argument("--taus", type=float, nargs="+", default=[0.875, 0.95])
     ap.add_argument("--blocks", type=int, nargs="+", default=[16, 32, 64, 128])
     ap.add_argument("--out")
@@ -96,8 +84,7 @@ def main() -> None:
         res["rows"].append(r)
         print(f"| {t} | {b} | {u:.3f} | {hit:.3f} | {ind:.3f} | {r['scan_work']:.3f} |")
     if args.out:
-        with open(args.out, "w") as fh:
-            json.dump(res, fh, indent=1)
+        Path(args.out).write_text(json.dumps(res, indent=1))
 
 
 if __name__ == "__main__":

@@ -41,18 +41,35 @@ RECORD: list = []
 PROMPT = 0
 
 
+def decode_scores(query, key, scaling, sliding_window, first: int) -> torch.Tensor:
+    """Batch row 0's scaled float64 scores [Hq, rows, keys] of the query rows from ``first`` on, the layer's
+    causal mask (and sliding window) as -inf."""
+    G = query.shape[1] // key.shape[1]
+    k = key[0].repeat_interleave(G, dim=0).double()
+    s = torch.matmul(query[0, :, first:].double(), k.transpose(-1, -2)) * (
+        scaling if scaling is not None else query.shape[-1] ** -0.5)
+    rows = torch.arange(first, query.shape[2], device=s.device)[:, None]
+    pos = torch.arange(key.shape[2], device=s.device)[None, :]
+    allowed = pos <= rows
+    if sliding_window:  # local layers (Gemma-3): key j is seen from query i when i - j < window
+        allowed &= pos > rows - sliding_window
+    return s.masked_fill(~allowed[None], float("-inf"))
+
+
 def probe(module, query, key, value, attention_mask, scaling=None, **kw):
     """SDPA, recording each layer's scaled causal scores (rows of the measured steps) and values on the side."""
     G = query.shape[1] // key.shape[1]
-    k = key.repeat_interleave(G, dim=1)
-    s = torch.matmul(query.double(), k.double().transpose(-1, -2)) * (scaling if scaling is not None else query.shape[-1] ** -0.5)
-    n = s.shape[-1]
-    allowed = torch.ones(n, n, dtype=torch.bool, device=s.device).tril()
-    if kw.get("sliding_window"):  # local layers (Gemma-3): key j is seen from query i when i - j < window
-        allowed = allowed.triu(1 - kw["sliding_window"])
-    RECORD.append((s.masked_fill(~allowed, float("-inf"))[0, :, PROMPT - 1:].clone(),
+    RECORD.append((decode_scores(query, key, scaling, kw.get("sliding_window"), PROMPT - 1),
                    value.repeat_interleave(G, dim=1)[0].double(), bool(kw.get("sliding_window"))))
     return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kw)
+
+
+def add_probe_args(ap: argparse.ArgumentParser, prompt: int, steps: int, windows: int) -> None:
+    """The model and the WikiText-2 windows a probing study reads: a prompt, then the measured decode steps."""
+    ap.add_argument("--model", default=DEFAULT_MODEL)
+    ap.add_argument("--prompt", type=int, default=prompt)
+    ap.add_argument("--steps", type=int, default=steps)
+    ap.add_argument("--windows", type=int, default=windows)
 
 
 def anchored_lse(s: torch.Tensor, first: int, last: int) -> torch.Tensor:
@@ -75,10 +92,7 @@ def probed_windows(model_name: str, name: str, probe_fn, n_tokens: int, windows:
 def main():
     global PROMPT
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default=DEFAULT_MODEL)
-    ap.add_argument("--prompt", type=int, default=1024)
-    ap.add_argument("--steps", type=int, default=128)
-    ap.add_argument("--windows", type=int, default=2)
+    add_probe_args(ap, prompt=1024, steps=128, windows=2)
     ap.add_argument("--tau", type=float, default=0.875)
     ap.add_argument("--deltas", type=float, nargs="+", default=[0.1, 0.25, 0.5, 1.0])
     ap.add_argument("--anchor", type=int, nargs=2, default=[64, 256], metavar=("FIRST", "LAST"),
