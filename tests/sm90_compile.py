@@ -26,7 +26,8 @@ import torch
 SM90_MAX_SHARED = 232448
 
 #: (batch, q heads, kv heads, max_len, head_dim, dtype, renormalize, starts, eta as tensor, config changes).
-#: Together they reach every constexpr branch the launch plan takes on an H200: GQA ratios 1 / 2 / 4 / 8,
+#: Together they reach every constexpr branch the launch plan takes on an H200: GQA ratios 1 / 2 / 4 / 6 / 8
+#: (the packed scan; ``gqa="shared"`` takes the scan of [heads, keys] tiles),
 #: D 64 / 128 / 256, the three dtypes, short and long caches (8- and 12-bit quantile digits), one
 #: row (chunked quantile, small-B splits), and the unfused combine.
 CASES = [
@@ -36,6 +37,7 @@ CASES = [
     (2, 16, 8, 1000, 64, torch.float32, True, True, True, {}),
     (2, 8, 2, 3000, 256, torch.float32, False, True, False, {}),
     (3, 16, 2, 777, 64, torch.bfloat16, False, False, False, {"fused_combine": False, "pdl": False}),
+    (2, 12, 2, 2000, 128, torch.bfloat16, False, False, False, {}),
 ]
 
 

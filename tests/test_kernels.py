@@ -295,6 +295,23 @@ def test_narrow_head_dense_plan():
     assert _plan(16, 9, 3, 8192, 64, torch.bfloat16, sms, True, False, same)["nsd"] == 2
 
 
+def test_packed_scan_plan():
+    # The packed scan holds a key's heads as 8 bits of its position word (positions below 2**24) and feeds
+    # the tensor-core gather; wider groups, longer caches and the elementwise path take the [heads, keys] scan.
+    from siftattention.kernels.triton_config import KernelConfig, _plan
+
+    cfg, sms = KernelConfig(), 132
+
+    def packed(Hq, Hkv, S, c=cfg):
+        return _plan(2, Hq, Hkv, S, 128, torch.bfloat16, sms, True, False, c)["PACKED"]
+
+    assert cfg.scan_packed and all(packed(g * 2, 2, 32768) for g in (1, 2, 3, 4, 6, 8))
+    assert not packed(32, 2, 32768)  # GQA 16
+    assert packed(8, 2, 2**24 - 1) and not packed(8, 2, 2**24)
+    assert not packed(12, 2, 32768, KernelConfig(scan_packed=False))
+    assert not packed(12, 2, 32768, KernelConfig(use_dot=False))
+
+
 def test_persistent_scores_plan():
     # The scores pass turns persistent (a fixed grid looping over every (split, row)) only with
     # many rows and several rounds of work per program; small batches and short caches keep
@@ -798,7 +815,7 @@ TRITON_CASES = [
     (2, 4, 4, 37, 64, "float32", {"quantile_parallel": False}),  # one quantile program per row
     (2, 4, 4, 45, 64, "float16", {"scan_elems": 64, "reuse_sync": False}),  # MHA scan rows of 64 keys
     (3, 8, 2, 53, 128, "float16", {"warmup_dense": False}),  # warmup: scores, quantile, filter kernels
-    (2, 8, 1, 41, 64, "bfloat16", {"compact_weights": False}),  # phase B gathers the scores
+    (2, 8, 1, 41, 64, "bfloat16", {"compact_weights": False, "scan_packed": False}),  # phase B gathers the scores
     (2, 8, 1, 41, 64, "float16", {"compact": False, "stream_mask_v": True}),
     (1, 4, 4, 70, 128, "bfloat16", {"dense_pct": 0, "fused_combine": False}),
     (1, 4, 1, 29, 256, "float32", {"block_n1": 64, "block_nd": 64, "block_nb_gqa": 64}),  # Gemma-3's head: tiles shrink
@@ -807,6 +824,8 @@ TRITON_CASES = [
     (2, 4, 4, 61, 64, "float32", {"interleave2": 16, "dense_pct": 30}),  # some splits stream
     (2, 8, 1, 41, 64, "float16", {"compact": False, "interleave2": 32}),  # streaming only
     (1, 4, 2, 301, 64, "bfloat16", {"interleave2": 64}),  # chunks longer than the scan and stream tiles
+    (2, 12, 2, 77, 128, "bfloat16", {}),  # GQA 6: the packed scan's records with two padded heads
+    (2, 9, 3, 50, 64, "float16", {"scan_packed": False}),  # GQA 3 through the scan of [heads, keys] tiles
 ]
 
 

@@ -4,7 +4,9 @@
 normaliser ``L``, turns eta into the log2-domain threshold ``M + log2(eta) + log2(L)``
 (eta <= 0: keep every key; eta >= 1: the maximum only), compacts the positions of the rows
 that some head of the group keeps and gathers only those V rows (or streams with masked V
-loads when nothing is filtered). Partial outputs are already divided by ``L``, so splits add
+loads when nothing is filtered). The compaction scan is ``_scan_packed`` (a thread holds whole
+keys, every head of the group; a kept key is one word and one record of weights) where the
+group has at most 8 heads and keys are not shared; otherwise a scan of [heads, keys] tiles. Partial outputs are already divided by ``L``, so splits add
 up: the last split program of each (batch, KV head) sums them, renormalises or adds the
 value-mean compensation if asked and writes the output and the kept counts (``_combine_kernel`` does this as a launch of its own
 when ``fused_combine`` is off). On Hopper it is launched with programmatic dependent launch:
@@ -153,6 +155,120 @@ def _accumulate(acc, mass, s, idx, jm, thr, amax, m, g_mask, v_ptrs, vmask, DOT_
 
 
 @triton.jit
+def _opaque(x, ON: tl.constexpr):
+    """``x`` unchanged, hidden from Triton's contiguity analysis: a load through it gets one key a
+    thread per access, the layout the records' stores want, instead of a vector of 4 (the layouts
+    would then differ and every tile would convert its records through shared memory)."""
+    if ON:  # not under the interpreter, which has no inline assembly (and no layouts)
+        return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        return x
+
+
+@triton.jit
+def _head_scalar(x, offs_ga, h: tl.constexpr):
+    """Element ``h`` of a per-head vector, exactly (every other term of the sum is zero)."""
+    return tl.sum(tl.where(offs_ga == h, x, tl.zeros_like(x)), axis=0)
+
+
+@triton.jit
+def _scan_head(Scores, row0, S_MAX, offs, n_mask, thr_a, amax_a, m_a, offs_ga, bits, h: tl.constexpr,
+               G: tl.constexpr, WDTYPE: tl.constexpr):
+    """One head of ``_scan_packed``'s tile: its weights (0 where not kept; padded heads 0) and the bits."""
+    if h < G:
+        s = tl.load(Scores + (row0 + h) * S_MAX + offs, mask=n_mask, other=float("-inf"))
+        keep = ((s > _head_scalar(thr_a, offs_ga, h)) | (offs == _head_scalar(amax_a, offs_ga, h))) & n_mask
+        w = tl.where(keep, tl.math.exp2(s - _head_scalar(m_a, offs_ga, h)), 0.0).to(WDTYPE)
+        return w, bits | (keep.to(tl.int32) << h)
+    else:
+        return tl.zeros(offs.shape, WDTYPE), bits
+
+
+@triton.jit
+def _scan_packed(Scores, Wc, idx_ptr, wk_ptr, row0, thr_a, amax_a, m_a, n_virt, base, stride, end, S_MAX,
+                 G: tl.constexpr, BLOCK_GA: tl.constexpr, BLOCK_A: tl.constexpr, CHUNK: tl.constexpr,
+                 OPAQUE: tl.constexpr, STAGES: tl.constexpr):
+    """Phase A with few instructions a key: each thread scans whole keys, one head at a time, so the
+    group's union and each key's head bits form in-thread, the prefix sum needs no change of layout,
+    and each kept key is stored as one word (its position | its heads' bits << 24) and one record of
+    its heads' weights (BLOCK_GA of them, ``wk_ptr``), a vector store. Returns the rows kept."""
+    offs_a = tl.arange(0, BLOCK_A)
+    offs_ga = tl.arange(0, BLOCK_GA)
+    offs_r = tl.arange(0, BLOCK_GA)
+    n_kept = n_virt * 0
+    WDTYPE: tl.constexpr = Wc.dtype.element_ty
+    for u0 in tl.range(0, n_virt, BLOCK_A, num_stages=STAGES):
+        offs = _opaque(_split_pos(u0 + offs_a, base, stride, CHUNK, BLOCK_A), OPAQUE)
+        n_mask = (u0 + offs_a < n_virt) & (offs < end)
+        bits = tl.zeros([BLOCK_A], tl.int32)
+        w0, bits = _scan_head(Scores, row0, S_MAX, offs, n_mask, thr_a, amax_a, m_a, offs_ga, bits, 0, G, WDTYPE)
+        w1, bits = _scan_head(Scores, row0, S_MAX, offs, n_mask, thr_a, amax_a, m_a, offs_ga, bits, 1, G, WDTYPE)
+        w2, bits = _scan_head(Scores, row0, S_MAX, offs, n_mask, thr_a, amax_a, m_a, offs_ga, bits, 2, G, WDTYPE)
+        w3, bits = _scan_head(Scores, row0, S_MAX, offs, n_mask, thr_a, amax_a, m_a, offs_ga, bits, 3, G, WDTYPE)
+        w4, bits = _scan_head(Scores, row0, S_MAX, offs, n_mask, thr_a, amax_a, m_a, offs_ga, bits, 4, G, WDTYPE)
+        w5, bits = _scan_head(Scores, row0, S_MAX, offs, n_mask, thr_a, amax_a, m_a, offs_ga, bits, 5, G, WDTYPE)
+        w6, bits = _scan_head(Scores, row0, S_MAX, offs, n_mask, thr_a, amax_a, m_a, offs_ga, bits, 6, G, WDTYPE)
+        w7, bits = _scan_head(Scores, row0, S_MAX, offs, n_mask, thr_a, amax_a, m_a, offs_ga, bits, 7, G, WDTYPE)
+        rk = (bits != 0).to(tl.int32)
+        dst = n_kept + tl.cumsum(rk, axis=0) - rk
+        tl.store(idx_ptr + dst, offs | (bits << 24), mask=rk > 0)
+        # join stacks on a new last axis: the outermost join holds the lowest bit of the head index
+        if BLOCK_GA == 8:
+            rec = tl.join(tl.join(tl.join(w0, w4), tl.join(w2, w6)), tl.join(tl.join(w1, w5), tl.join(w3, w7)))
+        elif BLOCK_GA == 4:
+            rec = tl.join(tl.join(w0, w2), tl.join(w1, w3))
+        elif BLOCK_GA == 2:
+            rec = tl.join(w0, w1)
+        else:
+            rec = w0
+        rec = tl.reshape(rec, [BLOCK_A, BLOCK_GA])
+        tl.store(wk_ptr + (dst * BLOCK_GA)[:, None] + offs_r[None, :], rec, mask=(rk > 0)[:, None])
+        n_kept += tl.sum(rk, axis=0)
+    return n_kept
+
+
+@triton.jit
+def _head_pairs(word, p: tl.constexpr):
+    """Heads 2p and 2p + 1 of each packed word's head bits as the two 32-bit lanes of an int64: summed over
+    keys they count both heads' kept keys, with no reduction across threads a tile."""
+    x = ((word >> (24 + 2 * p)) & 3).to(tl.int64)
+    return (x & 1) | ((x & 2) << 31)
+
+
+@triton.jit
+def _gather_packed(acc, mass, idx_ptr, wk_ptr, v_base, g_mask, offs_g, offs_d, d_mask, n_kept, stride_vs, stride_vd,
+                   BLOCK_GA: tl.constexpr, BLOCK_NB: tl.constexpr, STAGES_B: tl.constexpr, DOT_PREC: tl.constexpr,
+                   DOT_UPCAST: tl.constexpr, EVICT: tl.constexpr, NEED_MASS: tl.constexpr):
+    """Phase B after ``_scan_packed``: gathers the kept V rows beside their weight records; returns acc,
+    mass (NEED_MASS; else as given) and each head's kept count, from the words' head bits."""
+    offs_nb = tl.arange(0, BLOCK_NB)
+    c0 = tl.zeros([BLOCK_NB], tl.int64)
+    c1 = tl.zeros([BLOCK_NB], tl.int64)
+    c2 = tl.zeros([BLOCK_NB], tl.int64)
+    c3 = tl.zeros([BLOCK_NB], tl.int64)
+    for j in tl.range(0, n_kept, BLOCK_NB, num_stages=STAGES_B):
+        jj = j + offs_nb
+        jm = jj < n_kept
+        word = tl.load(idx_ptr + jj, mask=jm, other=0)
+        w = tl.load(wk_ptr + jj[None, :] * BLOCK_GA + offs_g[:, None], mask=(offs_g < BLOCK_GA)[:, None] & jm[None, :],
+                    other=0.0)
+        v = tl.load(v_base + (word & 0xFFFFFF)[:, None].to(tl.int64) * stride_vs + offs_d[None, :] * stride_vd,
+                    mask=jm[:, None] & d_mask[None, :], other=0.0, eviction_policy="evict_first" if EVICT else "")
+        acc += _dot(w, v, DOT_PREC, DOT_UPCAST)
+        if NEED_MASS:
+            mass += tl.sum(w.to(tl.float32), axis=1)
+        c0 += _head_pairs(word, 0)
+        c1 += _head_pairs(word, 1)
+        c2 += _head_pairs(word, 2)
+        c3 += _head_pairs(word, 3)
+    pair = offs_g // 2
+    lanes = tl.where(pair == 0, tl.sum(c0, axis=0), tl.where(pair == 1, tl.sum(c1, axis=0),
+                     tl.where(pair == 2, tl.sum(c2, axis=0), tl.sum(c3, axis=0))))
+    cnt = tl.where(offs_g < 8, (lanes >> ((offs_g % 2) * 32).to(tl.int64)) & 0xFFFFFFFF, 0).to(tl.int32)
+    return acc, mass, cnt
+
+
+@triton.jit
 def _filter_kernel(
     V, Scores, Mst, Lst, Ast, Mas, Las, Eta, Beta, LogSteps, Gap, Floor, SeqLens, Starts, Idx, Wc, Part, Cnt, Mass, Sem,
     Arrive, Out, Kept, ValueSum,
@@ -166,7 +282,8 @@ def _filter_kernel(
     KEEP_ALL: tl.constexpr, POWER_LAW: tl.constexpr, COMPACT: tl.constexpr, DENSE_PCT: tl.constexpr,
     STAGES_B: tl.constexpr, FUSED_COMBINE: tl.constexpr, RESET_SYNC: tl.constexpr, RENORMALIZE: tl.constexpr,
     WRITE_KEPT: tl.constexpr, PDL: tl.constexpr, EVICT: tl.constexpr, CHUNK: tl.constexpr,
-    ANCHORED: tl.constexpr, FLOOR: tl.constexpr, VMC: tl.constexpr, SHARED: tl.constexpr,
+    ANCHORED: tl.constexpr, FLOOR: tl.constexpr, VMC: tl.constexpr, SHARED: tl.constexpr, PACKED: tl.constexpr,
+    PACKED_OPAQUE: tl.constexpr, SCAN_STAGES: tl.constexpr,
 ):
     """Pass 2 over one split of one (batch, KV head).
 
@@ -245,59 +362,72 @@ def _filter_kernel(
             amax_a = _narrow(amax, offs_g, offs_ga)
             sa_base = Scores + row_a[:, None] * S_MAX
             idx_ptr = Idx + bh.to(tl.int64) * S_MAX + start
-            offs_a = tl.arange(0, BLOCK_A)
-            cnt_a = tl.zeros([BLOCK_GA], tl.int32)
-            n_kept = start * 0
-            if COMPACT_W:
-                m_a = _narrow(m, offs_g, offs_ga)
-                mass_a = tl.zeros([BLOCK_GA], tl.float32)
-                wa_base = Wc + row_a[:, None] * S_MAX + start
-            # Not software-pipelined: prefetching the score tiles made GQA ~5% slower.
-            for u0 in tl.range(0, n_virt, BLOCK_A, num_stages=1):
-                offs = _split_pos(u0 + offs_a, base, stride, CHUNK, BLOCK_A)
-                n_mask = (u0 + offs_a < n_virt) & (offs < end)
-                s = tl.load(sa_base + offs[None, :], mask=ga_mask[:, None] & n_mask[None, :], other=float("-inf"))
-                keep = _kept(s, offs, n_mask, thr_a, amax_a, ga_mask, SHARED)
-                cnt_a += tl.sum(keep.to(tl.int32), axis=1)
-                rk = tl.max(keep.to(tl.int32), axis=0)
-                pos = tl.cumsum(rk, axis=0) - rk
-                tl.store(idx_ptr + n_kept + pos, offs, mask=rk > 0)
+            if PACKED:
+                wk_ptr = Wc + (bh.to(tl.int64) * S_MAX + start) * BLOCK_GA
+                n_kept = _scan_packed(Scores, Wc, idx_ptr, wk_ptr, b.to(tl.int64) * HQ + hkv * G, thr_a, amax_a,
+                                      _narrow(m, offs_g, offs_ga), n_virt, base, stride, end, S_MAX, G, BLOCK_GA,
+                                      BLOCK_A, CHUNK, PACKED_OPAQUE, SCAN_STAGES)
+                tl.debug_barrier()  # Idx written by this program's threads, read back below
+                dense = n_kept * 100 > n_virt * DENSE_PCT
+                if not dense:
+                    acc, mass, cnt_p = _gather_packed(acc, mass, idx_ptr, wk_ptr, v_base, g_mask, offs_g, offs_d,
+                                                      d_mask, n_kept, stride_vs, stride_vd, BLOCK_GA, BLOCK_NB,
+                                                      STAGES_B, DOT_PREC, DOT_UPCAST, EVICT, RENORMALIZE or VMC)
+                    tl.store(Cnt + pst, cnt_p, mask=g_mask)
+            else:
+                offs_a = tl.arange(0, BLOCK_A)
+                cnt_a = tl.zeros([BLOCK_GA], tl.int32)
+                n_kept = start * 0
                 if COMPACT_W:
-                    # The kept weights of every head of the group, compacted like the positions:
-                    # phase B then reads them directly (one indirection, the V rows, per tile).
-                    w_a = tl.where(keep, tl.math.exp2(s - m_a[:, None]), 0.0)
-                    mass_a += tl.sum(w_a, axis=1)
-                    tl.store(wa_base + (n_kept + pos)[None, :], w_a.to(Wc.dtype.element_ty),
-                             mask=ga_mask[:, None] & (rk > 0)[None, :])
-                n_kept += tl.sum(rk, axis=0)
-            tl.debug_barrier()  # Idx (and Wc) written by this program's threads, read back below
-            dense = n_kept * 100 > n_virt * DENSE_PCT
-            if not dense:
-                # Phase B: gather the kept rows, all useful, BLOCK_N per iteration.
-                if COMPACT_W:
-                    w_base = Wc + row[:, None] * S_MAX + start
-                    for j in tl.range(0, n_kept, BLOCK_NB, num_stages=STAGES_B):
-                        jj = j + offs_nb
-                        jm = jj < n_kept
-                        idx = tl.load(idx_ptr + jj, mask=jm, other=0)
-                        w = tl.load(w_base + jj[None, :], mask=g_mask[:, None] & jm[None, :], other=0.0)
-                        v = tl.load(v_base + idx[:, None].to(tl.int64) * stride_vs + offs_d[None, :] * stride_vd,
-                                    mask=jm[:, None] & d_mask[None, :], other=0.0,
-                                    eviction_policy="evict_first" if EVICT else "")
-                        acc += _dot(w, v, DOT_PREC, DOT_UPCAST)
-                    mass = _narrow(mass_a, offs_ga, offs_g)
-                else:
-                    for j in tl.range(0, n_kept, BLOCK_N, num_stages=STAGES_B):
-                        jj = j + offs_n
-                        jm = jj < n_kept
-                        idx = tl.load(idx_ptr + jj, mask=jm, other=0)
-                        s = tl.load(s_base + idx[None, :], mask=g_mask[:, None] & jm[None, :], other=float("-inf"))
-                        v_ptrs = v_base + idx[:, None].to(tl.int64) * stride_vs + offs_d[None, :] * stride_vd
-                        acc, mass, _ = _accumulate(
-                            acc, mass, s, idx, jm, thr, amax, m, g_mask, v_ptrs, jm[:, None] & d_mask[None, :],
-                            DOT_PREC, DOT_UPCAST, USE_DOT, EVICT, SHARED,
-                        )
-                tl.store(Cnt + row_a * NUM_SPLITS2 + split, cnt_a, mask=ga_mask)
+                    m_a = _narrow(m, offs_g, offs_ga)
+                    mass_a = tl.zeros([BLOCK_GA], tl.float32)
+                    wa_base = Wc + row_a[:, None] * S_MAX + start
+                # Not software-pipelined: prefetching the score tiles made GQA ~5% slower.
+                for u0 in tl.range(0, n_virt, BLOCK_A, num_stages=1):
+                    offs = _split_pos(u0 + offs_a, base, stride, CHUNK, BLOCK_A)
+                    n_mask = (u0 + offs_a < n_virt) & (offs < end)
+                    s = tl.load(sa_base + offs[None, :], mask=ga_mask[:, None] & n_mask[None, :], other=float("-inf"))
+                    keep = _kept(s, offs, n_mask, thr_a, amax_a, ga_mask, SHARED)
+                    cnt_a += tl.sum(keep.to(tl.int32), axis=1)
+                    rk = tl.max(keep.to(tl.int32), axis=0)
+                    pos = tl.cumsum(rk, axis=0) - rk
+                    tl.store(idx_ptr + n_kept + pos, offs, mask=rk > 0)
+                    if COMPACT_W:
+                        # The kept weights of every head of the group, compacted like the positions:
+                        # phase B then reads them directly (one indirection, the V rows, per tile).
+                        w_a = tl.where(keep, tl.math.exp2(s - m_a[:, None]), 0.0)
+                        mass_a += tl.sum(w_a, axis=1)
+                        tl.store(wa_base + (n_kept + pos)[None, :], w_a.to(Wc.dtype.element_ty),
+                                 mask=ga_mask[:, None] & (rk > 0)[None, :])
+                    n_kept += tl.sum(rk, axis=0)
+                tl.debug_barrier()  # Idx (and Wc) written by this program's threads, read back below
+                dense = n_kept * 100 > n_virt * DENSE_PCT
+                if not dense:
+                    # Phase B: gather the kept rows, all useful, BLOCK_N per iteration.
+                    if COMPACT_W:
+                        w_base = Wc + row[:, None] * S_MAX + start
+                        for j in tl.range(0, n_kept, BLOCK_NB, num_stages=STAGES_B):
+                            jj = j + offs_nb
+                            jm = jj < n_kept
+                            idx = tl.load(idx_ptr + jj, mask=jm, other=0)
+                            w = tl.load(w_base + jj[None, :], mask=g_mask[:, None] & jm[None, :], other=0.0)
+                            v = tl.load(v_base + idx[:, None].to(tl.int64) * stride_vs + offs_d[None, :] * stride_vd,
+                                        mask=jm[:, None] & d_mask[None, :], other=0.0,
+                                        eviction_policy="evict_first" if EVICT else "")
+                            acc += _dot(w, v, DOT_PREC, DOT_UPCAST)
+                        mass = _narrow(mass_a, offs_ga, offs_g)
+                    else:
+                        for j in tl.range(0, n_kept, BLOCK_N, num_stages=STAGES_B):
+                            jj = j + offs_n
+                            jm = jj < n_kept
+                            idx = tl.load(idx_ptr + jj, mask=jm, other=0)
+                            s = tl.load(s_base + idx[None, :], mask=g_mask[:, None] & jm[None, :], other=float("-inf"))
+                            v_ptrs = v_base + idx[:, None].to(tl.int64) * stride_vs + offs_d[None, :] * stride_vd
+                            acc, mass, _ = _accumulate(
+                                acc, mass, s, idx, jm, thr, amax, m, g_mask, v_ptrs, jm[:, None] & d_mask[None, :],
+                                DOT_PREC, DOT_UPCAST, USE_DOT, EVICT, SHARED,
+                            )
+                    tl.store(Cnt + row_a * NUM_SPLITS2 + split, cnt_a, mask=ga_mask)
     if dense:
         # Streaming: every tile, V loads masked to the rows some head keeps.
         cnt = tl.zeros([BLOCK_G], tl.int32)
@@ -471,7 +601,7 @@ def filter_pass(
         POWER_LAW=power_law, COMPACT=compact, DENSE_PCT=cfg.dense_pct, STAGES_B=geo["STAGES_B"],
         FUSED_COMBINE=fused, RESET_SYNC=fused, RENORMALIZE=renormalize, WRITE_KEPT=want_kept,
         PDL=pdl, EVICT=cfg.evict, CHUNK=geo["CHUNK2"], ANCHORED=anchors is not None, FLOOR=floor is not None,
-        VMC=value_sum is not None, SHARED=shared and eta is not None,
+        VMC=value_sum is not None, SHARED=shared and eta is not None, PACKED=geo["PACKED"] and not shared, PACKED_OPAQUE=not geo["interp"], SCAN_STAGES=cfg.scan_stages,
         num_warps=cfg.warps2, num_stages=cfg.stages2, **geo["regs2"], **({"launch_pdl": True} if pdl else {}),
     )
     if not fused:
