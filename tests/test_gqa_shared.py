@@ -301,12 +301,12 @@ def test_bad_combinations_are_one_line_errors(kwargs, message):
 
 # ----------------------------------------------------------------------------- Triton (interpreter)
 
-# (case index into CASES, dtype, config overrides): the gather forms of the filter pass, streaming, the
-# separate combine launch, half precision.
+# (case index into CASES, dtype, config overrides): the gather forms of the filter pass (the packed scan and
+# the scan of [heads, keys] tiles), streaming, the separate combine launch, half precision.
 TRITON_CASES = [
     (0, "float32", {}),
     (1, "float16", {"compact": False}),
-    (2, "float32", {"compact_weights": False}),
+    (2, "float32", {"compact_weights": False, "scan_packed": False}),
     (3, "bfloat16", {"fused_combine": False}),
     (4, "float32", {"warmup_dense": False}),
 ]

@@ -109,7 +109,7 @@ class KernelConfig:
     # in-thread head bits and vector weight records instead of per-tile reductions and layout
     # conversions through shared memory; 2.1k -> 1.2k instructions a 1024-key tile and 255 ->
     # 206 registers, no spills (GQA 12/2). H100, real Qwen2.5-1.5B decode (compiled, tau 0.875):
-    # 16 x 32768 1.111 -> 1.151x dense, 8 x 16384 0.894 -> 0.953x; SmolLM2 16 x 7936 0.935 -> 0.958x.
+    # 16 x 32768 1.111 -> 1.151x dense, 8 x 16384 0.894 -> 0.953x; on SmolLM2 within run-to-run spread.
     scan_packed: bool = True
     scan_stages: int = 2  # the packed scan's score loads prefetched a tile ahead
     scan_elems: int = 2048  # scan tile [G, keys] of at least this many elements (MHA: longer rows)

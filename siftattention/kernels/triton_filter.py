@@ -6,7 +6,7 @@ normaliser ``L``, turns eta into the log2-domain threshold ``M + log2(eta) + log
 that some head of the group keeps and gathers only those V rows (or streams with masked V
 loads when nothing is filtered). The compaction scan is ``_scan_packed`` (a thread holds whole
 keys, every head of the group; a kept key is one word and one record of weights) where the
-group has at most 8 heads and keys are not shared; otherwise a scan of [heads, keys] tiles. Partial outputs are already divided by ``L``, so splits add
+group has at most 8 heads; otherwise a scan of [heads, keys] tiles. Partial outputs are already divided by ``L``, so splits add
 up: the last split program of each (batch, KV head) sums them, renormalises or adds the
 value-mean compensation if asked and writes the output and the kept counts (``_combine_kernel`` does this as a launch of its own
 when ``fused_combine`` is off). On Hopper it is launched with programmatic dependent launch:
@@ -172,12 +172,27 @@ def _head_scalar(x, offs_ga, h: tl.constexpr):
 
 
 @triton.jit
-def _scan_head(Scores, row0, S_MAX, offs, n_mask, thr_a, amax_a, m_a, offs_ga, bits, h: tl.constexpr,
-               G: tl.constexpr, WDTYPE: tl.constexpr):
-    """One head of ``_scan_packed``'s tile: its weights (0 where not kept; padded heads 0) and the bits."""
+def _above_head(Scores, row0, S_MAX, offs, n_mask, thr_a, offs_ga, above, h: tl.constexpr, G: tl.constexpr):
+    """``above`` or-ed with the keys head ``h`` of the group passes (``Sift(gqa="shared")``'s first sweep)."""
     if h < G:
         s = tl.load(Scores + (row0 + h) * S_MAX + offs, mask=n_mask, other=float("-inf"))
-        keep = ((s > _head_scalar(thr_a, offs_ga, h)) | (offs == _head_scalar(amax_a, offs_ga, h))) & n_mask
+        return above | (s > _head_scalar(thr_a, offs_ga, h))
+    else:
+        return above
+
+
+@triton.jit
+def _scan_head(Scores, row0, S_MAX, offs, n_mask, thr_a, amax_a, m_a, offs_ga, bits, above, h: tl.constexpr,
+               G: tl.constexpr, WDTYPE: tl.constexpr, SHARED: tl.constexpr):
+    """One head of ``_scan_packed``'s tile: its weights (0 where not kept; padded heads 0) and the bits.
+    SHARED: a key is kept where some head of the group passes (``above``), as well as at the head's maximum."""
+    if h < G:
+        s = tl.load(Scores + (row0 + h) * S_MAX + offs, mask=n_mask, other=float("-inf"))
+        if SHARED:
+            passes = above
+        else:
+            passes = s > _head_scalar(thr_a, offs_ga, h)
+        keep = (passes | (offs == _head_scalar(amax_a, offs_ga, h))) & n_mask
         w = tl.where(keep, tl.math.exp2(s - _head_scalar(m_a, offs_ga, h)), 0.0).to(WDTYPE)
         return w, bits | (keep.to(tl.int32) << h)
     else:
@@ -187,7 +202,7 @@ def _scan_head(Scores, row0, S_MAX, offs, n_mask, thr_a, amax_a, m_a, offs_ga, b
 @triton.jit
 def _scan_packed(Scores, Wc, idx_ptr, wk_ptr, row0, thr_a, amax_a, m_a, n_virt, base, stride, end, S_MAX,
                  G: tl.constexpr, BLOCK_GA: tl.constexpr, BLOCK_A: tl.constexpr, CHUNK: tl.constexpr,
-                 OPAQUE: tl.constexpr, STAGES: tl.constexpr):
+                 OPAQUE: tl.constexpr, STAGES: tl.constexpr, SHARED: tl.constexpr):
     """Phase A with few instructions a key: each thread scans whole keys, one head at a time, so the
     group's union and each key's head bits form in-thread, the prefix sum needs no change of layout,
     and each kept key is stored as one word (its position | its heads' bits << 24) and one record of
@@ -201,14 +216,26 @@ def _scan_packed(Scores, Wc, idx_ptr, wk_ptr, row0, thr_a, amax_a, m_a, n_virt, 
         offs = _opaque(_split_pos(u0 + offs_a, base, stride, CHUNK, BLOCK_A), OPAQUE)
         n_mask = (u0 + offs_a < n_virt) & (offs < end)
         bits = tl.zeros([BLOCK_A], tl.int32)
-        w0, bits = _scan_head(Scores, row0, S_MAX, offs, n_mask, thr_a, amax_a, m_a, offs_ga, bits, 0, G, WDTYPE)
-        w1, bits = _scan_head(Scores, row0, S_MAX, offs, n_mask, thr_a, amax_a, m_a, offs_ga, bits, 1, G, WDTYPE)
-        w2, bits = _scan_head(Scores, row0, S_MAX, offs, n_mask, thr_a, amax_a, m_a, offs_ga, bits, 2, G, WDTYPE)
-        w3, bits = _scan_head(Scores, row0, S_MAX, offs, n_mask, thr_a, amax_a, m_a, offs_ga, bits, 3, G, WDTYPE)
-        w4, bits = _scan_head(Scores, row0, S_MAX, offs, n_mask, thr_a, amax_a, m_a, offs_ga, bits, 4, G, WDTYPE)
-        w5, bits = _scan_head(Scores, row0, S_MAX, offs, n_mask, thr_a, amax_a, m_a, offs_ga, bits, 5, G, WDTYPE)
-        w6, bits = _scan_head(Scores, row0, S_MAX, offs, n_mask, thr_a, amax_a, m_a, offs_ga, bits, 6, G, WDTYPE)
-        w7, bits = _scan_head(Scores, row0, S_MAX, offs, n_mask, thr_a, amax_a, m_a, offs_ga, bits, 7, G, WDTYPE)
+        above = tl.zeros([BLOCK_A], tl.int1)
+        if SHARED:  # a first sweep over the group's heads (the second one reads the scores again, from cache)
+            for h in tl.static_range(BLOCK_GA):
+                above = _above_head(Scores, row0, S_MAX, offs, n_mask, thr_a, offs_ga, above, h, G)
+        w0, bits = _scan_head(Scores, row0, S_MAX, offs, n_mask, thr_a, amax_a, m_a, offs_ga, bits, above, 0, G,
+                              WDTYPE, SHARED)
+        w1, bits = _scan_head(Scores, row0, S_MAX, offs, n_mask, thr_a, amax_a, m_a, offs_ga, bits, above, 1, G,
+                              WDTYPE, SHARED)
+        w2, bits = _scan_head(Scores, row0, S_MAX, offs, n_mask, thr_a, amax_a, m_a, offs_ga, bits, above, 2, G,
+                              WDTYPE, SHARED)
+        w3, bits = _scan_head(Scores, row0, S_MAX, offs, n_mask, thr_a, amax_a, m_a, offs_ga, bits, above, 3, G,
+                              WDTYPE, SHARED)
+        w4, bits = _scan_head(Scores, row0, S_MAX, offs, n_mask, thr_a, amax_a, m_a, offs_ga, bits, above, 4, G,
+                              WDTYPE, SHARED)
+        w5, bits = _scan_head(Scores, row0, S_MAX, offs, n_mask, thr_a, amax_a, m_a, offs_ga, bits, above, 5, G,
+                              WDTYPE, SHARED)
+        w6, bits = _scan_head(Scores, row0, S_MAX, offs, n_mask, thr_a, amax_a, m_a, offs_ga, bits, above, 6, G,
+                              WDTYPE, SHARED)
+        w7, bits = _scan_head(Scores, row0, S_MAX, offs, n_mask, thr_a, amax_a, m_a, offs_ga, bits, above, 7, G,
+                              WDTYPE, SHARED)
         rk = (bits != 0).to(tl.int32)
         dst = n_kept + tl.cumsum(rk, axis=0) - rk
         tl.store(idx_ptr + dst, offs | (bits << 24), mask=rk > 0)
@@ -366,7 +393,7 @@ def _filter_kernel(
                 wk_ptr = Wc + (bh.to(tl.int64) * S_MAX + start) * BLOCK_GA
                 n_kept = _scan_packed(Scores, Wc, idx_ptr, wk_ptr, b.to(tl.int64) * HQ + hkv * G, thr_a, amax_a,
                                       _narrow(m, offs_g, offs_ga), n_virt, base, stride, end, S_MAX, G, BLOCK_GA,
-                                      BLOCK_A, CHUNK, PACKED_OPAQUE, SCAN_STAGES)
+                                      BLOCK_A, CHUNK, PACKED_OPAQUE, SCAN_STAGES, SHARED)
                 tl.debug_barrier()  # Idx written by this program's threads, read back below
                 dense = n_kept * 100 > n_virt * DENSE_PCT
                 if not dense:
@@ -601,7 +628,7 @@ def filter_pass(
         POWER_LAW=power_law, COMPACT=compact, DENSE_PCT=cfg.dense_pct, STAGES_B=geo["STAGES_B"],
         FUSED_COMBINE=fused, RESET_SYNC=fused, RENORMALIZE=renormalize, WRITE_KEPT=want_kept,
         PDL=pdl, EVICT=cfg.evict, CHUNK=geo["CHUNK2"], ANCHORED=anchors is not None, FLOOR=floor is not None,
-        VMC=value_sum is not None, SHARED=shared and eta is not None, PACKED=geo["PACKED"] and not shared, PACKED_OPAQUE=not geo["interp"], SCAN_STAGES=cfg.scan_stages,
+        VMC=value_sum is not None, SHARED=shared and eta is not None, PACKED=geo["PACKED"], PACKED_OPAQUE=not geo["interp"], SCAN_STAGES=cfg.scan_stages,
         num_warps=cfg.warps2, num_stages=cfg.stages2, **geo["regs2"], **({"launch_pdl": True} if pdl else {}),
     )
     if not fused:
