@@ -1274,7 +1274,8 @@ def test_triton_plan_matches_float64(triton_results):
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 CUDA_CASES = PLAN_CASES + [(2, 32, 8, 3001, 128, "float16"), (1, 32, 8, 20011, 128, "bfloat16"),
                            (4, 32, 32, 1500, 128, "float16"),
-                           (16, 9, 3, 8191, 64, "bfloat16")]  # SmolLM2's heads: dense splits of min_splitd_narrow
+                           (16, 9, 3, 8191, 64, "bfloat16"),  # SmolLM2's heads: dense splits of min_splitd_narrow
+                           (8, 12, 2, 16383, 128, "bfloat16")]  # Qwen2.5-1.5B's: the packed scan with two padded heads
 
 
 @needs_cuda
