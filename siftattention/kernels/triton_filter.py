@@ -6,8 +6,8 @@ normaliser ``L``, turns eta into the log2-domain threshold ``M + log2(eta) + log
 that some head of the group keeps and gathers only those V rows (or streams with masked V
 loads when nothing is filtered). The compaction scan is ``_scan_packed`` (a thread holds whole
 keys, every head of the group; a kept key is one word and one record of weights) where the
-group has at most 8 heads; otherwise a scan of [heads, keys] tiles. Partial outputs are already divided by ``L``, so splits add
-up: the last split program of each (batch, KV head) sums them, renormalises or adds the
+group has at most 8 heads; otherwise a scan of [heads, keys] tiles. Partial outputs are already
+divided by ``L``, so splits add up: the last split program of each (batch, KV head) sums them, renormalises or adds the
 value-mean compensation if asked and writes the output and the kept counts (``_combine_kernel`` does this as a launch of its own
 when ``fused_combine`` is off). On Hopper it is launched with programmatic dependent launch:
 it is dispatched during the scores kernel's tail and each program waits only for the splits
@@ -209,7 +209,6 @@ def _scan_packed(Scores, Wc, idx_ptr, wk_ptr, row0, thr_a, amax_a, m_a, n_virt, 
     its heads' weights (BLOCK_GA of them, ``wk_ptr``), a vector store. Returns the rows kept."""
     offs_a = tl.arange(0, BLOCK_A)
     offs_ga = tl.arange(0, BLOCK_GA)
-    offs_r = tl.arange(0, BLOCK_GA)
     n_kept = n_virt * 0
     WDTYPE: tl.constexpr = Wc.dtype.element_ty
     for u0 in tl.range(0, n_virt, BLOCK_A, num_stages=STAGES):
@@ -249,7 +248,7 @@ def _scan_packed(Scores, Wc, idx_ptr, wk_ptr, row0, thr_a, amax_a, m_a, n_virt, 
         else:
             rec = w0
         rec = tl.reshape(rec, [BLOCK_A, BLOCK_GA])
-        tl.store(wk_ptr + (dst * BLOCK_GA)[:, None] + offs_r[None, :], rec, mask=(rk > 0)[:, None])
+        tl.store(wk_ptr + (dst * BLOCK_GA)[:, None] + offs_ga[None, :], rec, mask=(rk > 0)[:, None])
         n_kept += tl.sum(rk, axis=0)
     return n_kept
 
