@@ -155,6 +155,72 @@ def _accumulate(acc, mass, s, idx, jm, thr, amax, m, g_mask, v_ptrs, vmask, DOT_
 
 
 @triton.jit
+def _scan_tiles(Scores, Wc, idx_ptr, row_a, ga_mask, thr_a, amax_a, m_a, n_virt, base, stride, end, start, S_MAX,
+                BLOCK_GA: tl.constexpr, BLOCK_A: tl.constexpr, CHUNK: tl.constexpr, COMPACT_W: tl.constexpr,
+                SHARED: tl.constexpr):
+    """Phase A on [heads, keys] tiles (groups of more than 8 heads): the positions of the rows some head
+    keeps, in order (a prefix sum per tile) and, COMPACT_W, their heads' weights compacted alike
+    (``Wc`` [B * Hq, S]). Returns the rows kept, and each head's kept count and (COMPACT_W) mass."""
+    offs_a = tl.arange(0, BLOCK_A)
+    cnt_a = tl.zeros([BLOCK_GA], tl.int32)
+    mass_a = tl.zeros([BLOCK_GA], tl.float32)
+    n_kept = start * 0
+    sa_base = Scores + row_a[:, None] * S_MAX
+    wa_base = Wc + row_a[:, None] * S_MAX + start
+    # Not software-pipelined: prefetching the score tiles made GQA ~5% slower.
+    for u0 in tl.range(0, n_virt, BLOCK_A, num_stages=1):
+        offs = _split_pos(u0 + offs_a, base, stride, CHUNK, BLOCK_A)
+        n_mask = (u0 + offs_a < n_virt) & (offs < end)
+        s = tl.load(sa_base + offs[None, :], mask=ga_mask[:, None] & n_mask[None, :], other=float("-inf"))
+        keep = _kept(s, offs, n_mask, thr_a, amax_a, ga_mask, SHARED)
+        cnt_a += tl.sum(keep.to(tl.int32), axis=1)
+        rk = tl.max(keep.to(tl.int32), axis=0)
+        pos = tl.cumsum(rk, axis=0) - rk
+        tl.store(idx_ptr + n_kept + pos, offs, mask=rk > 0)
+        if COMPACT_W:
+            # The kept weights of every head of the group, compacted like the positions:
+            # phase B then reads them directly (one indirection, the V rows, per tile).
+            w_a = tl.where(keep, tl.math.exp2(s - m_a[:, None]), 0.0)
+            mass_a += tl.sum(w_a, axis=1)
+            tl.store(wa_base + (n_kept + pos)[None, :], w_a.to(Wc.dtype.element_ty),
+                     mask=ga_mask[:, None] & (rk > 0)[None, :])
+        n_kept += tl.sum(rk, axis=0)
+    return n_kept, cnt_a, mass_a
+
+
+@triton.jit
+def _gather_tiles(acc, mass, Wc, idx_ptr, v_base, s_base, row, start, thr, amax, m, g_mask, offs_g, offs_ga, offs_d,
+                  d_mask, mass_a, n_kept, stride_vs, stride_vd, S_MAX, BLOCK_N: tl.constexpr, BLOCK_NB: tl.constexpr,
+                  STAGES_B: tl.constexpr, DOT_PREC: tl.constexpr, DOT_UPCAST: tl.constexpr, USE_DOT: tl.constexpr,
+                  EVICT: tl.constexpr, COMPACT_W: tl.constexpr, SHARED: tl.constexpr):
+    """Phase B after ``_scan_tiles``: gathers the kept V rows with the compacted weights (COMPACT_W,
+    the mass as phase A summed it), or with the scores read back at their positions. Returns acc, mass."""
+    if COMPACT_W:
+        offs_nb = tl.arange(0, BLOCK_NB)
+        w_base = Wc + row[:, None] * S_MAX + start
+        for j in tl.range(0, n_kept, BLOCK_NB, num_stages=STAGES_B):
+            jj = j + offs_nb
+            jm = jj < n_kept
+            idx = tl.load(idx_ptr + jj, mask=jm, other=0)
+            w = tl.load(w_base + jj[None, :], mask=g_mask[:, None] & jm[None, :], other=0.0)
+            v = tl.load(v_base + idx[:, None].to(tl.int64) * stride_vs + offs_d[None, :] * stride_vd,
+                        mask=jm[:, None] & d_mask[None, :], other=0.0, eviction_policy="evict_first" if EVICT else "")
+            acc += _dot(w, v, DOT_PREC, DOT_UPCAST)
+        mass = _narrow(mass_a, offs_ga, offs_g)
+    else:
+        offs_n = tl.arange(0, BLOCK_N)
+        for j in tl.range(0, n_kept, BLOCK_N, num_stages=STAGES_B):
+            jj = j + offs_n
+            jm = jj < n_kept
+            idx = tl.load(idx_ptr + jj, mask=jm, other=0)
+            s = tl.load(s_base + idx[None, :], mask=g_mask[:, None] & jm[None, :], other=float("-inf"))
+            v_ptrs = v_base + idx[:, None].to(tl.int64) * stride_vs + offs_d[None, :] * stride_vd
+            acc, mass, _ = _accumulate(acc, mass, s, idx, jm, thr, amax, m, g_mask, v_ptrs,
+                                       jm[:, None] & d_mask[None, :], DOT_PREC, DOT_UPCAST, USE_DOT, EVICT, SHARED)
+    return acc, mass
+
+
+@triton.jit
 def _opaque(x, ON: tl.constexpr):
     """``x`` unchanged, hidden from Triton's contiguity analysis: a load through it gets one key a
     thread per access, the layout the records' stores want, instead of a vector of 4 (the layouts
@@ -352,7 +418,6 @@ def _filter_kernel(
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
-    offs_nb = tl.arange(0, BLOCK_NB)
     g_mask = offs_g < G
     d_mask = offs_d < D
     row = b.to(tl.int64) * HQ + hkv * G + offs_g
@@ -386,73 +451,31 @@ def _filter_kernel(
             # The scan's head tile has G rows (the dot's has >= 16): same decisions, exactly.
             thr_a = _narrow(thr, offs_g, offs_ga)
             amax_a = _narrow(amax, offs_g, offs_ga)
-            sa_base = Scores + row_a[:, None] * S_MAX
+            m_a = _narrow(m, offs_g, offs_ga)
             idx_ptr = Idx + bh.to(tl.int64) * S_MAX + start
+            wk_ptr = Wc + (bh.to(tl.int64) * S_MAX + start) * BLOCK_GA
             if PACKED:
-                wk_ptr = Wc + (bh.to(tl.int64) * S_MAX + start) * BLOCK_GA
-                n_kept = _scan_packed(Scores, Wc, idx_ptr, wk_ptr, b.to(tl.int64) * HQ + hkv * G, thr_a, amax_a,
-                                      _narrow(m, offs_g, offs_ga), n_virt, base, stride, end, S_MAX, G, BLOCK_GA,
-                                      BLOCK_A, CHUNK, PACKED_OPAQUE, SCAN_STAGES, SHARED)
-                tl.debug_barrier()  # Idx written by this program's threads, read back below
-                dense = n_kept * 100 > n_virt * DENSE_PCT
-                if not dense:
+                n_kept = _scan_packed(Scores, Wc, idx_ptr, wk_ptr, b.to(tl.int64) * HQ + hkv * G, thr_a, amax_a, m_a,
+                                      n_virt, base, stride, end, S_MAX, G, BLOCK_GA, BLOCK_A, CHUNK, PACKED_OPAQUE,
+                                      SCAN_STAGES, SHARED)
+            else:
+                n_kept, cnt_a, mass_a = _scan_tiles(Scores, Wc, idx_ptr, row_a, ga_mask, thr_a, amax_a, m_a, n_virt,
+                                                    base, stride, end, start, S_MAX, BLOCK_GA, BLOCK_A, CHUNK,
+                                                    COMPACT_W, SHARED)
+            tl.debug_barrier()  # Idx (and the weights) written by this program's threads, read back below
+            dense = n_kept * 100 > n_virt * DENSE_PCT
+            if not dense:
+                # Phase B: gather the kept rows, all useful.
+                if PACKED:
                     acc, mass, cnt_p = _gather_packed(acc, mass, idx_ptr, wk_ptr, v_base, g_mask, offs_g, offs_d,
                                                       d_mask, n_kept, stride_vs, stride_vd, BLOCK_GA, BLOCK_NB,
                                                       STAGES_B, DOT_PREC, DOT_UPCAST, EVICT, RENORMALIZE or VMC)
                     tl.store(Cnt + pst, cnt_p, mask=g_mask)
-            else:
-                offs_a = tl.arange(0, BLOCK_A)
-                cnt_a = tl.zeros([BLOCK_GA], tl.int32)
-                n_kept = start * 0
-                if COMPACT_W:
-                    m_a = _narrow(m, offs_g, offs_ga)
-                    mass_a = tl.zeros([BLOCK_GA], tl.float32)
-                    wa_base = Wc + row_a[:, None] * S_MAX + start
-                # Not software-pipelined: prefetching the score tiles made GQA ~5% slower.
-                for u0 in tl.range(0, n_virt, BLOCK_A, num_stages=1):
-                    offs = _split_pos(u0 + offs_a, base, stride, CHUNK, BLOCK_A)
-                    n_mask = (u0 + offs_a < n_virt) & (offs < end)
-                    s = tl.load(sa_base + offs[None, :], mask=ga_mask[:, None] & n_mask[None, :], other=float("-inf"))
-                    keep = _kept(s, offs, n_mask, thr_a, amax_a, ga_mask, SHARED)
-                    cnt_a += tl.sum(keep.to(tl.int32), axis=1)
-                    rk = tl.max(keep.to(tl.int32), axis=0)
-                    pos = tl.cumsum(rk, axis=0) - rk
-                    tl.store(idx_ptr + n_kept + pos, offs, mask=rk > 0)
-                    if COMPACT_W:
-                        # The kept weights of every head of the group, compacted like the positions:
-                        # phase B then reads them directly (one indirection, the V rows, per tile).
-                        w_a = tl.where(keep, tl.math.exp2(s - m_a[:, None]), 0.0)
-                        mass_a += tl.sum(w_a, axis=1)
-                        tl.store(wa_base + (n_kept + pos)[None, :], w_a.to(Wc.dtype.element_ty),
-                                 mask=ga_mask[:, None] & (rk > 0)[None, :])
-                    n_kept += tl.sum(rk, axis=0)
-                tl.debug_barrier()  # Idx (and Wc) written by this program's threads, read back below
-                dense = n_kept * 100 > n_virt * DENSE_PCT
-                if not dense:
-                    # Phase B: gather the kept rows, all useful, BLOCK_N per iteration.
-                    if COMPACT_W:
-                        w_base = Wc + row[:, None] * S_MAX + start
-                        for j in tl.range(0, n_kept, BLOCK_NB, num_stages=STAGES_B):
-                            jj = j + offs_nb
-                            jm = jj < n_kept
-                            idx = tl.load(idx_ptr + jj, mask=jm, other=0)
-                            w = tl.load(w_base + jj[None, :], mask=g_mask[:, None] & jm[None, :], other=0.0)
-                            v = tl.load(v_base + idx[:, None].to(tl.int64) * stride_vs + offs_d[None, :] * stride_vd,
-                                        mask=jm[:, None] & d_mask[None, :], other=0.0,
-                                        eviction_policy="evict_first" if EVICT else "")
-                            acc += _dot(w, v, DOT_PREC, DOT_UPCAST)
-                        mass = _narrow(mass_a, offs_ga, offs_g)
-                    else:
-                        for j in tl.range(0, n_kept, BLOCK_N, num_stages=STAGES_B):
-                            jj = j + offs_n
-                            jm = jj < n_kept
-                            idx = tl.load(idx_ptr + jj, mask=jm, other=0)
-                            s = tl.load(s_base + idx[None, :], mask=g_mask[:, None] & jm[None, :], other=float("-inf"))
-                            v_ptrs = v_base + idx[:, None].to(tl.int64) * stride_vs + offs_d[None, :] * stride_vd
-                            acc, mass, _ = _accumulate(
-                                acc, mass, s, idx, jm, thr, amax, m, g_mask, v_ptrs, jm[:, None] & d_mask[None, :],
-                                DOT_PREC, DOT_UPCAST, USE_DOT, EVICT, SHARED,
-                            )
+                else:
+                    acc, mass = _gather_tiles(acc, mass, Wc, idx_ptr, v_base, s_base, row, start, thr, amax, m, g_mask,
+                                              offs_g, offs_ga, offs_d, d_mask, mass_a, n_kept, stride_vs, stride_vd,
+                                              S_MAX, BLOCK_N, BLOCK_NB, STAGES_B, DOT_PREC, DOT_UPCAST, USE_DOT, EVICT,
+                                              COMPACT_W, SHARED)
                     tl.store(Cnt + row_a * NUM_SPLITS2 + split, cnt_a, mask=ga_mask)
     if dense:
         # Streaming: every tile, V loads masked to the rows some head keeps.
@@ -627,7 +650,8 @@ def filter_pass(
         POWER_LAW=power_law, COMPACT=compact, DENSE_PCT=cfg.dense_pct, STAGES_B=geo["STAGES_B"],
         FUSED_COMBINE=fused, RESET_SYNC=fused, RENORMALIZE=renormalize, WRITE_KEPT=want_kept,
         PDL=pdl, EVICT=cfg.evict, CHUNK=geo["CHUNK2"], ANCHORED=anchors is not None, FLOOR=floor is not None,
-        VMC=value_sum is not None, SHARED=shared and eta is not None, PACKED=geo["PACKED"], PACKED_OPAQUE=not geo["interp"], SCAN_STAGES=cfg.scan_stages,
+        VMC=value_sum is not None, SHARED=shared and eta is not None, PACKED=geo["PACKED"],
+        PACKED_OPAQUE=not geo["interp"], SCAN_STAGES=cfg.scan_stages,
         num_warps=cfg.warps2, num_stages=cfg.stages2, **geo["regs2"], **({"launch_pdl": True} if pdl else {}),
     )
     if not fused:
