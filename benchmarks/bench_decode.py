@@ -466,7 +466,7 @@ def run_tune_grid(args):
     base = td.config_for(torch.device(DEV))
     # Knobs of the dense kernel and of the warmup (every quantile_* knob too).
     dense_keys = {"block_nd", "warpsd", "stagesd", "programsd", "min_splitd", "residentd", "filld", "whole_wavesd", "wavesd", "warmup_dense",
-                  "min_splitd_narrow",
+                  "min_splitd_narrow", "balance_splits",
                   "min_splitq", "evict", "fill", "maxnregd", "maxnregq"}
 
     def dense_knobs(kw: dict) -> set:
@@ -495,7 +495,7 @@ def run_tune_grid(args):
                 t = bench_graph(lambda q, k, v: td.scores_pass(geo, ws, q, k, scale, sl, None, cfg, False), sets)
                 ws.sync.zero_()  # the scores pass alone advanced the arrival counters
                 res["scores_pass"] = dict(ms=t, ratio=t / t_sdpa)
-            dense_only = bool(kw) and dense_knobs(kw) - {"evict", "fill"} == set(kw)
+            dense_only = bool(kw) and dense_knobs(kw) - {"evict", "fill", "balance_splits"} == set(kw)
             for j, sp in enumerate([] if dense_only else sps):
                 etas = [t[j][0] for t in ths]
                 q, k, v = sets[0]

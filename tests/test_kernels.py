@@ -312,6 +312,40 @@ def test_packed_scan_plan():
     assert not packed(12, 2, 32768, KernelConfig(use_dot=False))
 
 
+def test_balanced_splits_plan():
+    # Filter and dense grids avoid a last few programs crowding some SMs: with P programs the busiest
+    # SM runs ceil(P / SMs) of them, a 1/n share of a row each; fewer splits are taken where that
+    # load falls by at least a tenth (ties: more splits).
+    from siftattention.kernels.triton_config import KernelConfig, _balanced, _cdiv, _plan
+
+    sms = 132
+
+    def load(m, rows):
+        return _cdiv(rows * m, sms) / m
+
+    for rows in (1, 3, 8, 16, 24, 32, 48, 64, 96, 256):
+        for n in range(1, 70):
+            m = _balanced(n, rows, sms)
+            assert 1 <= m <= n
+            if m < n:
+                assert load(m, rows) <= 0.9 * load(n, rows), (rows, n, m)
+                assert all(load(j, rows) > load(m, rows) for j in range(m + 1, n + 1)), (rows, n, m)
+            else:
+                assert all(load(j, rows) > 0.9 * load(n, rows) for j in range(1, n)), (rows, n)
+
+    def splits(B, Hq, Hkv, S, D, **kw):
+        geo = _plan(B, Hq, Hkv, S, D, torch.bfloat16, sms, True, False, KernelConfig(**kw))
+        return geo["ns2"], geo["nsd"]
+
+    # Qwen2.5-1.5B at 8 x (16384 + 256): 9 filter splits were 144 programs for 132 SMs.
+    assert splits(8, 12, 2, 16640, 128) == (8, 8) and splits(8, 12, 2, 16640, 128, balance_splits=False) == (9, 8)
+    # ... and at 16 x (32768 + 256) 9 dense splits were 288 programs: three on 24 SMs, two elsewhere.
+    assert splits(16, 12, 2, 33024, 128) == (8, 8) and splits(16, 12, 2, 33024, 128, balance_splits=False) == (8, 9)
+    # Groups of at most 4 heads keep their filter splits, 64-channel heads both.
+    assert splits(8, 32, 8, 8448, 128)[0] == splits(8, 32, 8, 8448, 128, balance_splits=False)[0] == 5
+    assert splits(8, 9, 3, 8192, 64) == splits(8, 9, 3, 8192, 64, balance_splits=False)
+
+
 def test_persistent_scores_plan():
     # The scores pass turns persistent (a fixed grid looping over every (split, row)) only with
     # many rows and several rounds of work per program; small batches and short caches keep

@@ -189,6 +189,17 @@ class KernelConfig:
     # to SDPA 4096 -> 1024: B = 16, S = 8192 1.233 -> 1.033; B = 32, S = 4096 1.183 -> 0.966; B = 8,
     # S = 8192 1.187 -> 1.042; B = 4, S = 32768 1.098 -> 1.062; B = 1 unchanged; dense_split_rules_d64*_h100.json).
     min_splitd_narrow: int = 1024
+    # Filter and dense grids of heads of at least 128 channels: fewer splits where the last
+    # programs would crowd a few SMs. A grid of P programs leaves its busiest SM ceil(P / SMs)
+    # of them, each 1/n of a row; where fewer splits cut that by at least a tenth they are
+    # taken (H100, planted, ratio to SDPA: GQA 12/2 B = 8, 16640 keys, 9 -> 8 filter splits
+    # (144 -> 128 programs) Sift step 1.110 -> 0.992; dense kernel B = 16, 33024 keys 1.157 ->
+    # 1.045, B = 32, 8448 keys 1.077 -> 0.986; GQA 32/8 B = 4, 33024 keys 1.101 -> 1.013; GQA
+    # 4/1, D = 256 1.000 -> 0.951). The filter only at more than 4 heads a group, whose
+    # programs fit 2 a SM (GQA 32/8, B = 8, 8448 keys: 5 -> 4 splits 0.786 -> 0.809); 64-channel
+    # heads keep their splits (GQA 9/3, B = 8, 8192 keys: dense 8 -> 5 splits 1.026 -> 1.171;
+    # tune_grid_balance_d*_h100.json).
+    balance_splits: bool = True
     # Register caps per thread (0: the compiler's choice) of the scores, filter, dense and
     # quantile kernels: a cap trades a few spills for one more resident program per SM.
     maxnreg1: int = 0
@@ -298,6 +309,18 @@ def _splits(s_max: int, rows: int, block_n: int, programs_per_sm: int, sms: int,
     return n
 
 
+def _balanced(n: int, rows: int, sms: int) -> int:
+    """At most ``n`` splits a row, fewer where that cuts the busiest SM's work by at least a tenth.
+
+    ``rows * m`` programs put ``ceil(rows * m / sms)`` on the busiest SM, each a ``1/m`` share of
+    a row; the least such load wins (ties: more splits, whose programs hide each other's latency)."""
+    def load(m: int) -> float:
+        return _cdiv(rows * m, sms) / m
+
+    best = min(range(n, 0, -1), key=load)  # min keeps the first, so the largest m of equal load
+    return best if load(best) <= 0.9 * load(n) else n
+
+
 def _chunk(want: int, s_max: int, splits: int, runs: int = 1) -> int:
     """Keys per interleaved filter chunk: ``want`` (a power of two), halved until every split
     of a full-length row gets ``runs`` chunks (or chunks reach 8 keys); 0 (contiguous splits)
@@ -336,6 +359,8 @@ def _plan(
     min_splitd = cfg.min_splitd_narrow if D <= 64 else cfg.min_splitd
     nsd = _splits(S, rows, block_nd, cfg.programsd, sms, min_splitd, cfg.filld, cfg.residentd, cfg.whole_wavesd,
                   max_waves=cfg.wavesd)
+    if cfg.balance_splits and D >= 128:
+        ns2, nsd = _balanced(ns2, rows, sms) if G > 4 else ns2, _balanced(nsd, rows, sms)
     parallel = (B * Hq <= sms) if cfg.quantile_parallel == "auto" else bool(cfg.quantile_parallel)
     bracket = cfg.quantile_sample > 0
     nq = max(1, min((sms * cfg.quantile_resident) // (B * Hq), S // cfg.min_splitq)) if (
