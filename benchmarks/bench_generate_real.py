@@ -21,6 +21,9 @@ graphs), so decode tokens/s covers a whole call without captures; every row coun
 Every fast-path method's decode step runs through ``torch.compile`` (the model's small ops fused around the
 attention, dense and sparse alike: the fastest dense loop, 1.19-1.59x the eager one on the real models);
 ``--no-compile`` runs them eagerly.
+The dense fast path runs first and, with ``--dense-last`` (the default), again after the other methods: timed first
+in a process it has decoded 5% faster than timed after Sift (H100, Qwen2.5-1.5B 8 x 16384: 2,157 against 2,055
+tok/s), so every ratio is against the faster of the two dense runs.
 ``--check`` first compares the dense fast path's greedy tokens with transformers' generate
 on the same model and dtype, and says where they part (the top-2 logit gap there).
 ``--methods dense sift sift_keybound sift_keybound_channel`` sets the key-bound step, on its
@@ -144,6 +147,9 @@ def main() -> None:
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                     help="every fast-path method's decode step through torch.compile (generate(compile=True)): the "
                          "fastest dense loop, so the default; --no-compile runs the steps eagerly")
+    ap.add_argument("--dense-last", action=argparse.BooleanOptionalAction, default=True,
+                    help="time the dense fast path again after the other methods and compare every method with the "
+                         "faster of its two runs (timed first in a process it can run a few percent faster)")
     ap.add_argument("--out", type=Path, default=Path("bench_generate_real.json"))
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -188,13 +194,19 @@ def main() -> None:
                   f"{out['prefill_s']:.1f} s, realized {out.get('realized_post_warmup', 0):.3f} after warmup, "
                   f"{out['captures']} graph captures", flush=True)
             save()
+        if args.dense_last and "dense" in args.methods and len(args.methods) > 1:
+            row["methods"]["dense_last"] = run_method(model, ids, "dense", args)
+            print(f"{batch}x{prompt} dense again: {row['methods']['dense_last']['decode_tok_s']:.0f} tok/s", flush=True)
         dense, exact = row["methods"].get("dense"), row["methods"].get("sift")
         if dense:
+            # The baseline is the faster dense run; both runs' tokens are the same greedy decode.
+            best = max(row["methods"].get("dense_last", dense)["decode_tok_s"], dense["decode_tok_s"])
+            row["dense_tok_s_best"] = best
             for name, out in row["methods"].items():
-                if "new_tokens" in out and name != "dense":
+                if "new_tokens" in out and name not in ("dense", "dense_last"):
                     out["agreement_with_dense"] = agreement(dense["new_tokens"], out["new_tokens"])
                 if "decode_tok_s" in out:
-                    out["speedup_vs_dense"] = out["decode_tok_s"] / dense["decode_tok_s"]
+                    out["speedup_vs_dense"] = out["decode_tok_s"] / best
         for name in KEYBOUND_ROWS.values():  # the key-bound step keeps the exact step's keys but near its threshold
             if exact and name in row["methods"]:
                 out = row["methods"][name]

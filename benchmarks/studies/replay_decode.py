@@ -16,7 +16,12 @@ so the thresholds themselves are not varied):
 - ``equal_heads``: the captured inputs with every head's threshold placed so that it keeps
   the mean share (``bench_decode.thresholds``): the kept set's spread over heads removed;
 - ``synthetic``: ``bench_decode.make_inputs`` of the same shape at the same realized
-  sparsity (independent heads), bf16.
+  sparsity (independent heads), bf16;
+- ``planted_corr07`` (GQA): the same with a group's queries correlated 0.7, the planted inputs
+  of ``bench_decode.py --tune-grid``.
+
+``--model NAME`` captures a real embedded model's step on real text (WikiText-2, then any
+``--data-file``) instead of the planted 8B shape; ``--every N`` replays every N-th layer.
 
 Two earlier variants, contiguous caches of exactly the valid length and the inputs cast to
 float16, timed equal to ``in_loop`` (``benchmarks/results/replay_h200.json``) and were
@@ -29,6 +34,8 @@ share of V rows some head of the group keeps; ``dense`` (the dense kernel) and `
 run on the captured inputs as the yardsticks.
 
     PYTHONPATH=. python3 benchmarks/studies/replay_decode.py --setting 8x32768 --out $OUT/replay.json
+    PYTHONPATH=/tmp/sift-site:. python3 benchmarks/studies/replay_decode.py --model qwen2.5-1.5b --data-file /root/wiki.utf8 \
+        --setting 8x16384 --every 3 --out $OUT/replay_qwen8x16384_h100.json
 
 On a machine without CUDA it runs a small smoke version (tiny model, the CPU backend,
 host timers) so the script itself can be checked: ``--smoke``.
@@ -166,6 +173,12 @@ def layer_variants(call, cuda: bool, gen: torch.Generator, chunks: tuple[int, ..
     (syn_eta, _, _), = thresholds(qs, ks, [realized])
     plan_s = plan_like(qs, ks, scale, backend)
     record("synthetic", lambda: plan_s.sparse(qs, ks, vs, syn_eta, full), qs, ks, syn_eta, full)
+    if cuda and k.shape[1] < q.shape[1]:  # bench_decode --tune-grid's planted heads: a group's queries correlated 0.7
+        del qs, ks, vs
+        qc, kc, vc = make_inputs(B, Hq, k.shape[1], n, D, q.dtype, 3.0, 0.7, gen)
+        (corr_eta, _, _), = thresholds(qc, kc, [realized])
+        record("planted_corr07", lambda: plan_s.sparse(qc, kc, vc, corr_eta, full), qc, kc, corr_eta, full)
+        del qc, kc, vc
 
     out["dense"] = {"ms": timer(lambda: plan.dense(q, k, v, seq_lens, starts))}
     kd, vd = k[:, :, :n], v[:, :, :n]
@@ -192,6 +205,9 @@ def main() -> int:
     add_planting_args(ap)
     ap.add_argument("--interleave", type=int, nargs="*", default=[0, 256],
                     help="filter-split chunk sizes to time on the captured inputs (0: contiguous splits)")
+    ap.add_argument("--model", default=None, help="an embedded model on real text instead of the planted 8B shape")
+    ap.add_argument("--data-file", action="append", default=[], help="text after WikiText-2 (with --model)")
+    ap.add_argument("--every", type=int, default=1, help="replay every N-th layer's call")
     ap.add_argument("--smoke", action="store_true", help="tiny CPU version: checks the script, measures nothing useful")
     ap.add_argument("--out", type=Path, default=Path("replay_decode.json"))
     args = ap.parse_args()
@@ -199,7 +215,14 @@ def main() -> int:
     if not cuda and not args.smoke:
         ap.error("needs a CUDA device (or --smoke)")
     batch, prompt = (int(x) for x in args.setting.split("x"))
-    if cuda:
+    if cuda and args.model:
+        from bench_generate_real import prompt_tokens, windows
+
+        from siftattention.models import load_model
+
+        model, tokenizer = load_model(args.model, dtype=torch.bfloat16, device="cuda")
+        device = "cuda"
+    elif cuda:
         model = planted_model(args, layers=args.layers)
         device = "cuda"
     else:
@@ -207,7 +230,10 @@ def main() -> int:
                       num_attention_heads=8, num_key_value_heads=2, vocab_size=512)
         device, batch, prompt = "cpu", 2, 300
     vocab = model.config.vocab_size
-    ids = torch.randint(3, vocab - 1, (batch, prompt), device=device)
+    if cuda and args.model:
+        ids = windows(prompt_tokens(tokenizer, args.data_file), batch, prompt).to(device)
+    else:
+        ids = torch.randint(3, vocab - 1, (batch, prompt), device=device)
     method, calls, handle = capture_decode_calls(model, ids, args.tau, args.warmup)
     gen = torch.Generator(device=device).manual_seed(5)
     report: dict = {"device": torch.cuda.get_device_name() if cuda else "cpu (smoke)", "torch": torch.__version__,
@@ -215,6 +241,8 @@ def main() -> int:
     try:
         with torch.inference_mode():
             for i, call in enumerate(calls):
+                if i % args.every:
+                    continue
                 row = layer_variants(call, cuda, gen, tuple(args.interleave)) | {"layer": i}
                 report["layers"].append(row)
                 print(json.dumps(row)[:600], flush=True)
@@ -224,7 +252,7 @@ def main() -> int:
         free() if cuda else None
     args.out.write_text(json.dumps(report, indent=1))
 
-    names = ["in_loop", "shuffled"] + [f"interleave{c}" for c in args.interleave] + ["equal_heads", "synthetic"]
+    names = ["in_loop", "shuffled"] + [f"interleave{c}" for c in args.interleave] + ["equal_heads", "synthetic", "planted_corr07"]
     print(f"\n{report['device']}, {args.setting}, {len(calls)} layers, tau {args.tau}, warmup {args.warmup}: ms per layer "
           "(kept per head / V rows); dense kernel and SDPA on the captured inputs")
     print("layer | " + " | ".join(names) + " | dense | sdpa")
