@@ -14,6 +14,8 @@ sizes. Greedy decoding of ``--new`` tokens after a random prompt. Reported per s
 - ``sift``: the same loop with ``Sift(tau, warmup)``: its warmup, fit and post-warmup
   steps, the whole run (``run_ms``, every step at its phase's steady time) and its
   realized sparsity;
+- ``dense_last``: the dense fast path again after the Sift rows (``--no-dense-last`` skips it); the table
+  compares Sift with the faster dense run, since the one timed first in a process has decoded up to 9% faster;
 - ``floor``: weights + valid KV cache read once per token at the copy bandwidth
   measured in the same run.
 
@@ -507,6 +509,8 @@ def main() -> None:
                          "scale per row, 'sift_keybound', or per-channel ranges fixed by the prompt, 'sift_keybound_channel')")
     ap.add_argument("--prefill-chunk", type=int, default=8192)
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--dense-last", action=argparse.BooleanOptionalAction, default=True,
+                    help="time the dense fast path again after Sift; the table compares with the faster dense run")
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--profile", action="store_true", help="print the kernels of one eager decode step of each method")
     ap.add_argument("--attention-share", action="store_true", help="time the attention of one step alone (dense, sparse)")
@@ -563,6 +567,8 @@ def main() -> None:
         for name, fn in (
             ("dense", lambda: fast(model, ids, Full(), args.new, args.prefill_chunk, args.compile, session=args.session)),
             *sifts,
+            *([("dense_last", lambda: fast(model, ids, Full(), args.new, args.prefill_chunk, args.compile,
+                                           session=args.session))] if args.dense_last and sifts else []),
             ("hf", lambda: None if args.skip_hf else hf_generate(model, ids, args.hf_new)),
         ):
             try:
@@ -586,7 +592,10 @@ def main() -> None:
         print(f"{'B x prompt':>11} | {'hf ms':>7} | {'dense ms':>8} | {'sift ms':>7} | {'warmup':>6} | {'fit ms':>6} | {'floor ms':>8} | dense/floor | sift speedup | whole run | sift vs hf | s(post)")
         for r in rows:
             hf = r.get("hf") or {}
-            d, s = r["dense"], r[name]
+            # The faster dense run: timed first in a process the dense path has decoded up to 9% faster.
+            d = min((r[k] for k in ("dense", "dense_last") if k in r and "error" not in r[k]), key=lambda x: x["steady_ms"],
+                    default=r["dense"])
+            s = r[name]
             if "error" in d or "error" in s:
                 print(f"{r['batch']:>3} x {r['prompt']:<5} | error: {d.get('error') or s.get('error')}")
                 continue
