@@ -1,0 +1,229 @@
+"""Does an exact Sift step in one launch, its scores never leaving registers, beat today's two passes at few rows?
+
+Today's exact step writes every key's float32 scores (scores pass) and reads them back to threshold, compact and
+gather (filter pass): at GQA 12/2 that is 48 of a key row's 390 bytes at tau 0.875, a second launch, and a scan
+bound by the latency of its L2 loads. Here each program takes one chunk of ``--chunk`` keys of a (batch, KV head)
+row: it computes the group's scores in registers, publishes their (max, sum), meets the row's other programs at a
+counter (all of a row's programs are resident: the grid runs in order, a row's chunks one after another), forms the
+row's threshold, keeps p > eta (and the row maximum) as the float64 rule does, reads only the V rows some head keeps
+(a masked load) and multiplies; the row's last program sums the chunks' parts. Nothing is compacted and no score
+is written.
+
+Planted inputs as ``bench_decode.py --tune-grid`` (a group's queries correlated 0.7), each checked against float64
+(kept counts equal, output error < 1e-2), timed as CUDA graphs beside the library's exact step, its dense kernel and
+SDPA in one run. A probe, not a library kernel: no sequence lengths, left padding or renormalisation.
+
+    PYTHONPATH=. python3 benchmarks/studies/onelaunch_probe.py --out $OUT/onelaunch_probe_h100.json
+    TRITON_INTERPRET=1 PYTHONPATH=. python3 benchmarks/studies/onelaunch_probe.py --smoke   # one chunk a row, CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from siftattention.kernels.triton_quantile import _row_meet  # noqa: E402
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _onelaunch_kernel(Q, K, V, Eta, Out, Kept, Mst, Lst, Part, Cnt, Sync, S, NSPLIT, qk_scale2,
+                      stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+                      HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
+                      CHUNK: tl.constexpr, BLOCK_S: tl.constexpr, UPCAST: tl.constexpr):
+    split = tl.program_id(0)
+    row = tl.program_id(1)
+    b = row // HKV
+    h = row % HKV
+    g = tl.arange(0, BLOCK_G)
+    gm = g < G
+    d = tl.arange(0, D)
+    q = tl.load(Q + b * stride_qb + (h * G + g)[:, None] * stride_qh + d[None, :], mask=gm[:, None], other=0.0)
+    n = split * CHUNK + tl.arange(0, CHUNK)
+    valid = n < S
+    k = tl.load(K + b * stride_kb + h * stride_kh + n[:, None] * stride_ks + d[None, :], mask=valid[:, None], other=0.0)
+    if UPCAST:  # the interpreter's 16-bit dots are not exact
+        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = tl.where(valid[None, :], s * qk_scale2, float("-inf"))  # [BLOCK_G, CHUNK], log2 units
+    m = tl.max(s, axis=1)
+    l_ = tl.sum(tl.exp2(s - m[:, None]), axis=1)
+    stat = (row * NSPLIT + split) * BLOCK_G + g
+    tl.store(Mst + stat, m)
+    tl.store(Lst + stat, l_)
+    _row_meet(Sync + row, NSPLIT)
+    sp = tl.arange(0, BLOCK_S)
+    ms = tl.load(Mst + (row * NSPLIT + sp)[:, None] * BLOCK_G + g[None, :], mask=(sp < NSPLIT)[:, None],
+                 other=float("-inf"))
+    ls = tl.load(Lst + (row * NSPLIT + sp)[:, None] * BLOCK_G + g[None, :], mask=(sp < NSPLIT)[:, None], other=0.0)
+    big = tl.max(ms, axis=0)
+    big_safe = tl.where(gm, big, 0.0)
+    total = tl.sum(ls * tl.exp2(ms - big_safe[None, :]), axis=0)
+    eta = tl.load(Eta + b * HQ + h * G + g, mask=gm, other=1.0)
+    thr = big_safe + tl.log2(tl.where(gm, total, 1.0)) + tl.log2(eta)  # p > eta  <=>  s > thr
+    keep = ((s > thr[:, None]) | (s == big_safe[:, None])) & valid[None, :] & gm[:, None]
+    p = tl.where(keep, tl.exp2(s - big_safe[:, None]), 0.0)
+    union = tl.max(keep.to(tl.int32), axis=0) > 0
+    v = tl.load(V + b * stride_vb + h * stride_vh + n[:, None] * stride_vs + d[None, :], mask=union[:, None], other=0.0)
+    if UPCAST:
+        acc = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
+    else:
+        acc = tl.dot(p.to(v.dtype), v)
+    part = (row * NSPLIT + split) * BLOCK_G + g
+    tl.store(Part + part[:, None] * D + d[None, :], acc)
+    tl.store(Cnt + part, tl.sum(keep.to(tl.int32), axis=1))
+    tl.debug_barrier()
+    seen = tl.atomic_add(Sync + row, 1, sem="acq_rel", scope="gpu") + 1
+    if seen == 2 * NSPLIT:  # the row's last program: sum the parts, set the counter back
+        tl.debug_barrier()
+        out = tl.zeros([BLOCK_G, D], tl.float32)
+        kept = tl.zeros([BLOCK_G], tl.int32)
+        for j in range(0, NSPLIT):
+            pj = (row * NSPLIT + j) * BLOCK_G + g
+            out += tl.load(Part + pj[:, None] * D + d[None, :])
+            kept += tl.load(Cnt + pj)
+        o = (b * HQ + h * G + g)
+        tl.store(Out + o[:, None] * D + d[None, :], (out / total[:, None]).to(Out.dtype.element_ty), mask=gm[:, None])
+        tl.store(Kept + o, kept, mask=gm)
+        tl.store(Sync + row, 0)
+
+
+class OneLaunch:
+    """The probe's step for one shape: workspace allocated once, then ``run(q, k, v, eta)``."""
+
+    def __init__(self, B: int, Hq: int, Hkv: int, S: int, D: int, chunk: int, warps: int, device):
+        self.B, self.Hq, self.Hkv, self.S, self.D, self.chunk, self.warps = B, Hq, Hkv, S, D, chunk, warps
+        self.G = Hq // Hkv
+        self.block_g = max(16, triton.next_power_of_2(self.G))
+        self.nsplit = triton.cdiv(S, chunk)
+        rows = B * Hkv
+        f32 = torch.float32
+        self.mst = torch.empty(rows * self.nsplit * self.block_g, device=device, dtype=f32)
+        self.lst = torch.empty_like(self.mst)
+        self.part = torch.empty(rows * self.nsplit * self.block_g * D, device=device, dtype=f32)
+        self.cnt = torch.empty(rows * self.nsplit * self.block_g, device=device, dtype=torch.int32)
+        self.sync = torch.zeros(rows, device=device, dtype=torch.int32)
+        self.kept = torch.empty(B, Hq, device=device, dtype=torch.int32)
+
+    def _args(self, q, k, v, eta, out):
+        return ((q, k, v, eta, out, self.kept, self.mst, self.lst, self.part, self.cnt, self.sync, self.S, self.nsplit,
+                 self.D**-0.5 * LOG2E, q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
+                 v.stride(0), v.stride(1), v.stride(2)),
+                dict(HQ=self.Hq, HKV=self.Hkv, G=self.G, BLOCK_G=self.block_g, D=self.D, CHUNK=self.chunk,
+                     BLOCK_S=triton.next_power_of_2(self.nsplit), UPCAST=not q.is_cuda, num_warps=self.warps))
+
+    def resident(self, q, k, v, eta) -> tuple[int, dict]:
+        """Programs that fit on an SM at once, from the compiled kernel's registers and shared memory: a row's
+        programs wait for each other, so a row of more programs than the GPU holds would never finish."""
+        args, kw = self._args(q, k, v, eta, torch.empty_like(q))
+        compiled = _onelaunch_kernel.warmup(*args, grid=(1,), **kw)
+        compiled._init_handles()  # loads the module: registers and spills are known from here
+        regs, smem = compiled.n_regs, compiled.metadata.shared
+        props = torch.cuda.get_device_properties(q.device)
+        per_sm = min(65536 // max(1, regs * 32 * self.warps), (233472 - 1024) // max(1, smem + 1024),
+                     2048 // (32 * self.warps), 32)
+        return per_sm * props.multi_processor_count, dict(regs=regs, spills=compiled.n_spills, smem=smem, per_sm=per_sm)
+
+    def run(self, q, k, v, eta):
+        out = torch.empty_like(q)
+        args, kw = self._args(q, k, v, eta, out)
+        _onelaunch_kernel[(self.nsplit, self.B * self.Hkv)](*args, **kw)
+        return out, self.kept
+
+
+def check(step, q, k, v, eta, kept_ref, rows) -> float:
+    from bench_decode import ref_out64, rel_err
+
+    out, kept = step.run(q, k, v, eta)
+    assert torch.equal(kept, kept_ref), f"kept counts differ in {int((kept != kept_ref).sum())} heads"
+    return max(rel_err(out[b], ref_out64(q, k, v, eta, b)) for b in rows)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", nargs="*", default=["8,12,2,16640", "16,12,2,33024", "8,12,2,32768", "16,9,3,8192"],
+                    help="B,Hq,Hkv,S (D = 128 at 12/2, 64 at 9/3: the real models' heads)")
+    ap.add_argument("--chunks", type=int, nargs="*", default=[128, 256])
+    ap.add_argument("--warps", type=int, nargs="*", default=[4, 8])
+    ap.add_argument("--sparsity", type=float, nargs="*", default=[0.875, 0.95])
+    ap.add_argument("--smoke", action="store_true", help="CPU under TRITON_INTERPRET=1: one chunk a row, the math only")
+    ap.add_argument("--out", type=Path, default=Path("onelaunch_probe.json"))
+    args = ap.parse_args()
+    import bench_decode as bd
+
+    gen_dev = "cpu" if args.smoke else "cuda"
+    gen = torch.Generator(device=gen_dev).manual_seed(3)
+    if args.smoke:
+        bd.DEV = "cpu"
+        for B, Hq, Hkv, S, D in ((2, 12, 2, 77, 128), (3, 9, 3, 50, 64), (1, 8, 8, 33, 32)):
+            q, k, v = bd.make_inputs(B, Hq, Hkv, S, D, torch.float32, 3.0, 0.7, gen)
+            (eta, kept_ref, _), = bd.thresholds(q, k, [0.875])
+            step = OneLaunch(B, Hq, Hkv, S, D, triton.next_power_of_2(S), 4, q.device)
+            err = check(step, q, k, v, eta.float(), kept_ref.int(), range(B))
+            print(f"smoke {B},{Hq},{Hkv},{S},{D}: kept equal, output error {err:.1e}")
+            assert err < 1e-4, err
+        return
+    from siftattention.kernels import DecodeKernels
+
+    report = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M"), "triton": triton.__version__,
+              "rows": []}
+    print(report["device"], flush=True)
+    for shape in args.shapes:
+        B, Hq, Hkv, S = (int(x) for x in shape.split(","))
+        D = 64 if Hq // Hkv == 3 else 128
+        sets = [bd.make_inputs(B, Hq, Hkv, S, D, torch.bfloat16, 3.0, 0.7, gen) for _ in range(3)]
+        full = bd.full_lens(B, S)
+        kern = DecodeKernels.plan(batch=B, q_heads=Hq, kv_heads=Hkv, max_len=S, head_dim=D, dtype=torch.bfloat16,
+                                  device=torch.device("cuda"), scale=D**-0.5)
+        t_sdpa = bd.bench_graph(bd.sdpa_decode, sets)
+        t_dense = bd.bench_graph(lambda q, k, v: kern.dense(q, k, v, full), sets)
+        ths = [bd.thresholds(q, k, args.sparsity) for q, k, v in sets]
+        for j, sp in enumerate(args.sparsity):
+            eta_sets = [s + (t[j][0].float(),) for s, t in zip(sets, ths)]
+            t_two = bd.bench_graph(lambda q, k, v, e: kern.sparse(q, k, v, e, full), eta_sets)
+            row = dict(B=B, Hq=Hq, Hkv=Hkv, S=S, D=D, sparsity=sp, v_rows=sum(t[j][2] for t in ths) / len(ths),
+                       sdpa_ms=t_sdpa, dense_ms=t_dense, two_pass_ms=t_two, variants={})
+            for chunk in args.chunks:
+                for warps in args.warps:
+                    name = f"chunk{chunk}_w{warps}"
+                    try:
+                        step = OneLaunch(B, Hq, Hkv, S, D, chunk, warps, "cuda")
+                        slots, res = step.resident(*eta_sets[0])
+                        if step.nsplit > 0.9 * slots:  # the row would not fit on the GPU at once: it would hang
+                            row["variants"][name] = dict(skipped=f"{step.nsplit} programs a row, {slots} fit", **res)
+                            print(shape, sp, name, json.dumps(row["variants"][name]), flush=True)
+                            continue
+                        errs = [check(step, *s, t[j][1].int(), range(0, B, max(1, B // 3))) for s, t in zip(eta_sets, ths)]
+                        t_one = bd.bench_graph(lambda q, k, v, e: step.run(q, k, v, e), eta_sets)
+                        row["variants"][name] = dict(ms=t_one, err=max(errs), vs_two_pass=t_one / t_two, vs_sdpa=t_one / t_sdpa,
+                                                     programs=step.nsplit * B * Hkv, **res)
+                    except Exception as e:  # noqa: BLE001 - a variant that fails to compile or check is reported
+                        row["variants"][name] = dict(error=repr(e)[:300])
+                    print(shape, sp, name, json.dumps(row["variants"][name]), flush=True)
+            report["rows"].append(row)
+            args.out.write_text(json.dumps(report, indent=1) + "\n")
+    print("\n| shape | s | V rows | SDPA ms | dense / SDPA | two-pass / SDPA | best one-launch / SDPA (variant) |")
+    print("|---|---|---|---|---|---|---|")
+    for r in report["rows"]:
+        ok = {k: v for k, v in r["variants"].items() if "ms" in v}
+        best = min(ok, key=lambda k: ok[k]["ms"]) if ok else None
+        cell = f"{ok[best]['vs_sdpa']:.3f} ({best})" if best else "failed"
+        print(f"| {r['B']}x{r['Hq']}/{r['Hkv']}x{r['S']} | {r['sparsity']} | {r['v_rows']:.3f} | {r['sdpa_ms']:.4f} | "
+              f"{r['dense_ms'] / r['sdpa_ms']:.3f} | {r['two_pass_ms'] / r['sdpa_ms']:.3f} | {cell} |")
+    if not math.isfinite(sum(r["sdpa_ms"] for r in report["rows"])):
+        raise SystemExit("a timing failed")
+
+
+if __name__ == "__main__":
+    main()
