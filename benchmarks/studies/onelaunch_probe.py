@@ -14,7 +14,7 @@ Planted inputs as ``bench_decode.py --tune-grid`` (a group's queries correlated 
 SDPA in one run. A probe, not a library kernel: no sequence lengths, left padding or renormalisation.
 
     PYTHONPATH=. python3 benchmarks/studies/onelaunch_probe.py --out $OUT/onelaunch_probe_h100.json
-    TRITON_INTERPRET=1 PYTHONPATH=. python3 benchmarks/studies/onelaunch_probe.py --smoke   # one chunk a row, CPU
+    BENCH_DEVICE=cpu TRITON_INTERPRET=1 PYTHONPATH=. python3 benchmarks/studies/onelaunch_probe.py --smoke   # CPU
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ LOG2E = 1.4426950408889634
 def _onelaunch_kernel(Q, K, V, Eta, Out, Kept, Mst, Lst, Part, Cnt, Sync, S, NSPLIT, qk_scale2,
                       stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
                       HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
-                      CHUNK: tl.constexpr, BLOCK_S: tl.constexpr, UPCAST: tl.constexpr):
+                      CHUNK: tl.constexpr, BLOCK_S: tl.constexpr, CH: tl.constexpr, PHASE: tl.constexpr,
+                      UPCAST: tl.constexpr):
     split = tl.program_id(0)
     row = tl.program_id(1)
     b = row // HKV
@@ -60,9 +61,13 @@ def _onelaunch_kernel(Q, K, V, Eta, Out, Kept, Mst, Lst, Part, Cnt, Sync, S, NSP
     m = tl.max(s, axis=1)
     l_ = tl.sum(tl.exp2(s - m[:, None]), axis=1)
     stat = (row * NSPLIT + split) * BLOCK_G + g
-    tl.store(Mst + stat, m)
-    tl.store(Lst + stat, l_)
-    _row_meet(Sync + row, NSPLIT)
+    if PHASE != 2:
+        tl.store(Mst + stat, m)
+        tl.store(Lst + stat, l_)
+    if PHASE == 1:  # the interpreter runs programs one by one: its first launch only publishes the statistics
+        return
+    if PHASE == 0:
+        _row_meet(Sync + row, NSPLIT)
     sp = tl.arange(0, BLOCK_S)
     ms = tl.load(Mst + (row * NSPLIT + sp)[:, None] * BLOCK_G + g[None, :], mask=(sp < NSPLIT)[:, None],
                  other=float("-inf"))
@@ -81,18 +86,20 @@ def _onelaunch_kernel(Q, K, V, Eta, Out, Kept, Mst, Lst, Part, Cnt, Sync, S, NSP
     else:
         acc = tl.dot(p.to(v.dtype), v)
     part = (row * NSPLIT + split) * BLOCK_G + g
-    tl.store(Part + part[:, None] * D + d[None, :], acc)
-    tl.store(Cnt + part, tl.sum(keep.to(tl.int32), axis=1))
+    tl.store(Part + part[:, None] * D + d[None, :], acc, mask=gm[:, None])  # the group's heads only
+    tl.store(Cnt + part, tl.sum(keep.to(tl.int32), axis=1), mask=gm)
     tl.debug_barrier()
     seen = tl.atomic_add(Sync + row, 1, sem="acq_rel", scope="gpu") + 1
-    if seen == 2 * NSPLIT:  # the row's last program: sum the parts, set the counter back
+    if seen == (2 if PHASE == 0 else 1) * NSPLIT:  # the row's last program: sum the parts, CH chunks a load, set the counter back
         tl.debug_barrier()
         out = tl.zeros([BLOCK_G, D], tl.float32)
         kept = tl.zeros([BLOCK_G], tl.int32)
-        for j in range(0, NSPLIT):
-            pj = (row * NSPLIT + j) * BLOCK_G + g
-            out += tl.load(Part + pj[:, None] * D + d[None, :])
-            kept += tl.load(Cnt + pj)
+        ch = tl.arange(0, CH)
+        for j0 in range(0, NSPLIT, CH):
+            pj = (row * NSPLIT + j0 + ch)[:, None] * BLOCK_G + g[None, :]  # [CH, BLOCK_G]
+            pm = ((j0 + ch) < NSPLIT)[:, None] & gm[None, :]
+            out += tl.sum(tl.load(Part + pj[:, :, None] * D + d[None, None, :], mask=pm[:, :, None], other=0.0), axis=0)
+            kept += tl.sum(tl.load(Cnt + pj, mask=pm, other=0), axis=0)
         o = (b * HQ + h * G + g)
         tl.store(Out + o[:, None] * D + d[None, :], (out / total[:, None]).to(Out.dtype.element_ty), mask=gm[:, None])
         tl.store(Kept + o, kept, mask=gm)
@@ -121,13 +128,13 @@ class OneLaunch:
                  self.D**-0.5 * LOG2E, q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
                  v.stride(0), v.stride(1), v.stride(2)),
                 dict(HQ=self.Hq, HKV=self.Hkv, G=self.G, BLOCK_G=self.block_g, D=self.D, CHUNK=self.chunk,
-                     BLOCK_S=triton.next_power_of_2(self.nsplit), UPCAST=not q.is_cuda, num_warps=self.warps))
+                     BLOCK_S=triton.next_power_of_2(self.nsplit), CH=4, UPCAST=not q.is_cuda, num_warps=self.warps))
 
     def resident(self, q, k, v, eta) -> tuple[int, dict]:
         """Programs that fit on an SM at once, from the compiled kernel's registers and shared memory: a row's
         programs wait for each other, so a row of more programs than the GPU holds would never finish."""
         args, kw = self._args(q, k, v, eta, torch.empty_like(q))
-        compiled = _onelaunch_kernel.warmup(*args, grid=(1,), **kw)
+        compiled = _onelaunch_kernel.warmup(*args, grid=(1,), PHASE=0, **kw)
         compiled._init_handles()  # loads the module: registers and spills are known from here
         regs, smem = compiled.n_regs, compiled.metadata.shared
         props = torch.cuda.get_device_properties(q.device)
@@ -138,7 +145,12 @@ class OneLaunch:
     def run(self, q, k, v, eta):
         out = torch.empty_like(q)
         args, kw = self._args(q, k, v, eta, out)
-        _onelaunch_kernel[(self.nsplit, self.B * self.Hkv)](*args, **kw)
+        grid = (self.nsplit, self.B * self.Hkv)
+        if q.is_cuda:
+            _onelaunch_kernel[grid](*args, PHASE=0, **kw)
+        else:  # the interpreter: the same code in two launches instead of a meeting (programs run one at a time)
+            _onelaunch_kernel[grid](*args, PHASE=1, **kw)
+            _onelaunch_kernel[grid](*args, PHASE=2, **kw)
         return out, self.kept
 
 
@@ -157,7 +169,8 @@ def main() -> None:
     ap.add_argument("--chunks", type=int, nargs="*", default=[128, 256])
     ap.add_argument("--warps", type=int, nargs="*", default=[4, 8])
     ap.add_argument("--sparsity", type=float, nargs="*", default=[0.875, 0.95])
-    ap.add_argument("--smoke", action="store_true", help="CPU under TRITON_INTERPRET=1: one chunk a row, the math only")
+    ap.add_argument("--smoke", action="store_true",
+                    help="CPU under TRITON_INTERPRET=1 (BENCH_DEVICE=cpu): the math, in two launches instead of a meeting")
     ap.add_argument("--out", type=Path, default=Path("onelaunch_probe.json"))
     args = ap.parse_args()
     import bench_decode as bd
@@ -166,13 +179,15 @@ def main() -> None:
     gen = torch.Generator(device=gen_dev).manual_seed(3)
     if args.smoke:
         bd.DEV = "cpu"
-        for B, Hq, Hkv, S, D in ((2, 12, 2, 77, 128), (3, 9, 3, 50, 64), (1, 8, 8, 33, 32)):
+        for B, Hq, Hkv, S, D, chunk in ((2, 12, 2, 77, 128, 128), (2, 12, 2, 333, 128, 32), (3, 9, 3, 250, 64, 16),
+                                        (1, 8, 8, 33, 32, 64), (2, 16, 2, 100, 64, 16)):
             q, k, v = bd.make_inputs(B, Hq, Hkv, S, D, torch.float32, 3.0, 0.7, gen)
-            (eta, kept_ref, _), = bd.thresholds(q, k, [0.875])
-            step = OneLaunch(B, Hq, Hkv, S, D, triton.next_power_of_2(S), 4, q.device)
-            err = check(step, q, k, v, eta.float(), kept_ref.int(), range(B))
-            print(f"smoke {B},{Hq},{Hkv},{S},{D}: kept equal, output error {err:.1e}")
-            assert err < 1e-4, err
+            for sp in (0.875, 0.95):
+                (eta, kept_ref, _), = bd.thresholds(q, k, [sp])
+                step = OneLaunch(B, Hq, Hkv, S, D, chunk, 4, q.device)
+                err = check(step, q, k, v, eta.float(), kept_ref.int(), range(B))
+                print(f"smoke {B},{Hq},{Hkv},{S},{D}, {step.nsplit} chunks, s = {sp}: kept equal, output error {err:.1e}")
+                assert err < 1e-4, err
         return
     from siftattention.kernels import DecodeKernels
 
