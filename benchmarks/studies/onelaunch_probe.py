@@ -13,7 +13,10 @@ Planted inputs as ``bench_decode.py --tune-grid`` (a group's queries correlated 
 (kept counts equal, output error < 1e-2), timed as CUDA graphs beside the library's exact step, its dense kernel and
 SDPA in one run. A probe, not a library kernel: no sequence lengths, left padding or renormalisation.
 
-    PYTHONPATH=. python3 benchmarks/studies/onelaunch_probe.py --out $OUT/onelaunch_probe_h100.json
+    PYTHONPATH=. timeout 400 python3 benchmarks/studies/onelaunch_probe.py --out $OUT/onelaunch_probe_h100.json
+
+(``timeout``: the meeting assumes the GPU starts a row's programs before the next row's, as it starts blocks in
+order; the probe skips variants whose row cannot be resident at once, but a hang would otherwise hold the machine.)
     BENCH_DEVICE=cpu TRITON_INTERPRET=1 PYTHONPATH=. python3 benchmarks/studies/onelaunch_probe.py --smoke   # CPU
 """
 
