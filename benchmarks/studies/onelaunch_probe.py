@@ -18,6 +18,8 @@ SDPA in one run. A probe, not a library kernel: no sequence lengths, left paddin
 (``timeout``: the meeting assumes the GPU starts a row's programs before the next row's, as it starts blocks in
 order; the probe skips variants whose row cannot be resident at once, but a hang would otherwise hold the machine.)
     BENCH_DEVICE=cpu TRITON_INTERPRET=1 PYTHONPATH=. python3 benchmarks/studies/onelaunch_probe.py --smoke   # CPU
+    BENCH_DEVICE=cpu TRITON_INTERPRET=1 PYTHONPATH=. python3 benchmarks/studies/onelaunch_probe.py \
+        --shapes 2,12,2,300 --chunks 64 --warps 4      # the whole script on the CPU (times meaningless)
 """
 
 from __future__ import annotations
@@ -136,6 +138,8 @@ class OneLaunch:
     def resident(self, q, k, v, eta) -> tuple[int, dict]:
         """Programs that fit on an SM at once, from the compiled kernel's registers and shared memory: a row's
         programs wait for each other, so a row of more programs than the GPU holds would never finish."""
+        if not q.is_cuda:  # the interpreter: programs run one at a time, in two launches
+            return 1 << 30, {}
         args, kw = self._args(q, k, v, eta, torch.empty_like(q))
         compiled = _onelaunch_kernel.warmup(*args, grid=(1,), PHASE=0, **kw)
         compiled._init_handles()  # loads the module: registers and spills are known from here
@@ -178,10 +182,9 @@ def main() -> None:
     args = ap.parse_args()
     import bench_decode as bd
 
-    gen_dev = "cpu" if args.smoke else "cuda"
-    gen = torch.Generator(device=gen_dev).manual_seed(3)
+    dev = bd.DEV  # "cuda", or "cpu" with BENCH_DEVICE=cpu: a dry run of the whole script under the interpreter
+    gen = torch.Generator(device=dev).manual_seed(3)
     if args.smoke:
-        bd.DEV = "cpu"
         for B, Hq, Hkv, S, D, chunk in ((2, 12, 2, 77, 128, 128), (2, 12, 2, 333, 128, 32), (3, 9, 3, 250, 64, 16),
                                         (1, 8, 8, 33, 32, 64), (2, 16, 2, 100, 64, 16)):
             q, k, v = bd.make_inputs(B, Hq, Hkv, S, D, torch.float32, 3.0, 0.7, gen)
@@ -194,7 +197,7 @@ def main() -> None:
         return
     from siftattention.kernels import DecodeKernels
 
-    report = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M"), "triton": triton.__version__,
+    report = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu (dry run)", "date": time.strftime("%Y-%m-%d %H:%M"), "triton": triton.__version__,
               "rows": []}
     print(report["device"], flush=True)
     for shape in args.shapes:
@@ -203,7 +206,7 @@ def main() -> None:
         sets = [bd.make_inputs(B, Hq, Hkv, S, D, torch.bfloat16, 3.0, 0.7, gen) for _ in range(3)]
         full = bd.full_lens(B, S)
         kern = DecodeKernels.plan(batch=B, q_heads=Hq, kv_heads=Hkv, max_len=S, head_dim=D, dtype=torch.bfloat16,
-                                  device=torch.device("cuda"), scale=D**-0.5)
+                                  device=torch.device(dev), scale=D**-0.5)
         t_sdpa = bd.bench_graph(bd.sdpa_decode, sets)
         t_dense = bd.bench_graph(lambda q, k, v: kern.dense(q, k, v, full), sets)
         ths = [bd.thresholds(q, k, args.sparsity) for q, k, v in sets]
@@ -216,7 +219,7 @@ def main() -> None:
                 for warps in args.warps:
                     name = f"chunk{chunk}_w{warps}"
                     try:
-                        step = OneLaunch(B, Hq, Hkv, S, D, chunk, warps, "cuda")
+                        step = OneLaunch(B, Hq, Hkv, S, D, chunk, warps, dev)
                         slots, res = step.resident(*eta_sets[0])
                         if step.nsplit > 0.9 * slots:  # the row would not fit on the GPU at once: it would hang
                             row["variants"][name] = dict(skipped=f"{step.nsplit} programs a row, {slots} fit", **res)
