@@ -6,8 +6,8 @@ bound by the latency of its L2 loads. Here each program takes one chunk of ``--c
 row: it computes the group's scores in registers, publishes their (max, sum), meets the row's other programs at a
 counter (all of a row's programs are resident: the grid runs in order, a row's chunks one after another), forms the
 row's threshold, keeps p > eta (and the row maximum) as the float64 rule does, reads only the V rows some head keeps
-(a masked load) and multiplies; the row's last program sums the chunks' parts. Nothing is compacted and no score
-is written.
+(a masked load) and multiplies; the last program of each ``--groups`` chunks sums their parts and the row's last
+group the groups' sums (0: the row's last program sums every part). Nothing is compacted and no score is written.
 
 Planted inputs as ``bench_decode.py --tune-grid`` (a group's queries correlated 0.7), each checked against float64
 (kept counts equal, output error < 1e-2), timed as CUDA graphs beside the library's exact step, its dense kernel and
@@ -42,11 +42,34 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _onelaunch_kernel(Q, K, V, Eta, Out, Kept, Mst, Lst, Part, Cnt, Sync, S, NSPLIT, qk_scale2,
-                      stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+def _sum_parts(Part, Cnt, first, count, g, gm, d, BLOCK_G: tl.constexpr, D: tl.constexpr, CH: tl.constexpr):
+    """The sums of ``count`` consecutive parts from ``first`` ([BLOCK_G, D] outputs and kept counts), CH a load."""
+    out = tl.zeros([BLOCK_G, D], tl.float32)
+    kept = tl.zeros([BLOCK_G], tl.int32)
+    ch = tl.arange(0, CH)
+    for j0 in range(0, count, CH):
+        pj = (first + j0 + ch)[:, None] * BLOCK_G + g[None, :]  # [CH, BLOCK_G]
+        pm = ((j0 + ch) < count)[:, None] & gm[None, :]
+        out += tl.sum(tl.load(Part + pj[:, :, None] * D + d[None, None, :], mask=pm[:, :, None], other=0.0), axis=0)
+        kept += tl.sum(tl.load(Cnt + pj, mask=pm, other=0), axis=0)
+    return out, kept
+
+
+@triton.jit
+def _finish(Out, Kept, Sync, out, kept, total, b, h, row, g, gm, d, HQ: tl.constexpr, G: tl.constexpr,
+            D: tl.constexpr):
+    o = b * HQ + h * G + g
+    tl.store(Out + o[:, None] * D + d[None, :], (out / total[:, None]).to(Out.dtype.element_ty), mask=gm[:, None])
+    tl.store(Kept + o, kept, mask=gm)
+    tl.store(Sync + row, 0)
+
+
+@triton.jit
+def _onelaunch_kernel(Q, K, V, Eta, Out, Kept, Mst, Lst, Part, Cnt, GPart, GCnt, GSync, Sync, S, NSPLIT, BASE, NGMAX,
+                      qk_scale2, stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
                       HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
-                      CHUNK: tl.constexpr, BLOCK_S: tl.constexpr, CH: tl.constexpr, PHASE: tl.constexpr,
-                      UPCAST: tl.constexpr):
+                      CHUNK: tl.constexpr, BLOCK_S: tl.constexpr, CH: tl.constexpr, GROUP: tl.constexpr,
+                      PHASE: tl.constexpr, UPCAST: tl.constexpr):
     split = tl.program_id(0)
     row = tl.program_id(1)
     b = row // HKV
@@ -94,28 +117,37 @@ def _onelaunch_kernel(Q, K, V, Eta, Out, Kept, Mst, Lst, Part, Cnt, Sync, S, NSP
     tl.store(Part + part[:, None] * D + d[None, :], acc, mask=gm[:, None])  # the group's heads only
     tl.store(Cnt + part, tl.sum(keep.to(tl.int32), axis=1), mask=gm)
     tl.debug_barrier()
-    seen = tl.atomic_add(Sync + row, 1, sem="acq_rel", scope="gpu") + 1
-    if seen == (2 if PHASE == 0 else 1) * NSPLIT:  # the row's last program: sum the parts, CH chunks a load, set the counter back
-        tl.debug_barrier()
-        out = tl.zeros([BLOCK_G, D], tl.float32)
-        kept = tl.zeros([BLOCK_G], tl.int32)
-        ch = tl.arange(0, CH)
-        for j0 in range(0, NSPLIT, CH):
-            pj = (row * NSPLIT + j0 + ch)[:, None] * BLOCK_G + g[None, :]  # [CH, BLOCK_G]
-            pm = ((j0 + ch) < NSPLIT)[:, None] & gm[None, :]
-            out += tl.sum(tl.load(Part + pj[:, :, None] * D + d[None, None, :], mask=pm[:, :, None], other=0.0), axis=0)
-            kept += tl.sum(tl.load(Cnt + pj, mask=pm, other=0), axis=0)
-        o = (b * HQ + h * G + g)
-        tl.store(Out + o[:, None] * D + d[None, :], (out / total[:, None]).to(Out.dtype.element_ty), mask=gm[:, None])
-        tl.store(Kept + o, kept, mask=gm)
-        tl.store(Sync + row, 0)
+    if GROUP > 0:  # two levels: the last of each GROUP chunks sums them, the last group the groups' sums
+        grp = split // GROUP
+        gsize = tl.minimum(NSPLIT - grp * GROUP, GROUP)
+        seen_g = tl.atomic_add(GSync + row * NGMAX + grp, 1, sem="acq_rel", scope="gpu") + 1
+        if seen_g == gsize:
+            tl.debug_barrier()
+            gout, gkept = _sum_parts(Part, Cnt, row * NSPLIT + grp * GROUP, gsize, g, gm, d, BLOCK_G, D, CH)
+            gp = (row * NGMAX + grp) * BLOCK_G + g
+            tl.store(GPart + gp[:, None] * D + d[None, :], gout, mask=gm[:, None])
+            tl.store(GCnt + gp, gkept, mask=gm)
+            tl.store(GSync + row * NGMAX + grp, 0)
+            tl.debug_barrier()
+            seen = tl.atomic_add(Sync + row, 1, sem="acq_rel", scope="gpu") + 1
+            if seen == BASE + tl.cdiv(NSPLIT, GROUP):
+                tl.debug_barrier()
+                out, kept = _sum_parts(GPart, GCnt, row * NGMAX, tl.cdiv(NSPLIT, GROUP), g, gm, d, BLOCK_G, D, CH)
+                _finish(Out, Kept, Sync, out, kept, total, b, h, row, g, gm, d, HQ, G, D)
+    else:
+        seen = tl.atomic_add(Sync + row, 1, sem="acq_rel", scope="gpu") + 1
+        if seen == BASE + NSPLIT:  # the row's last program: sum the parts, set the counter back
+            tl.debug_barrier()
+            out, kept = _sum_parts(Part, Cnt, row * NSPLIT, NSPLIT, g, gm, d, BLOCK_G, D, CH)
+            _finish(Out, Kept, Sync, out, kept, total, b, h, row, g, gm, d, HQ, G, D)
 
 
 class OneLaunch:
     """The probe's step for one shape: workspace allocated once, then ``run(q, k, v, eta)``."""
 
-    def __init__(self, B: int, Hq: int, Hkv: int, S: int, D: int, chunk: int, warps: int, device):
+    def __init__(self, B: int, Hq: int, Hkv: int, S: int, D: int, chunk: int, warps: int, device, group: int = 8):
         self.B, self.Hq, self.Hkv, self.S, self.D, self.chunk, self.warps = B, Hq, Hkv, S, D, chunk, warps
+        self.group = group
         self.G = Hq // Hkv
         self.block_g = max(16, triton.next_power_of_2(self.G))
         self.nsplit = triton.cdiv(S, chunk)
@@ -126,22 +158,27 @@ class OneLaunch:
         self.part = torch.empty(rows * self.nsplit * self.block_g * D, device=device, dtype=f32)
         self.cnt = torch.empty(rows * self.nsplit * self.block_g, device=device, dtype=torch.int32)
         self.sync = torch.zeros(rows, device=device, dtype=torch.int32)
+        self.ngmax = triton.cdiv(self.nsplit, group) if group else 1
+        self.gpart = torch.empty(rows * self.ngmax * self.block_g * D, device=device, dtype=f32)
+        self.gcnt = torch.empty(rows * self.ngmax * self.block_g, device=device, dtype=torch.int32)
+        self.gsync = torch.zeros(rows * self.ngmax, device=device, dtype=torch.int32)
         self.kept = torch.empty(B, Hq, device=device, dtype=torch.int32)
 
-    def _args(self, q, k, v, eta, out):
-        return ((q, k, v, eta, out, self.kept, self.mst, self.lst, self.part, self.cnt, self.sync, self.S, self.nsplit,
-                 self.D**-0.5 * LOG2E, q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
+    def _args(self, q, k, v, eta, out, phase: int):
+        return ((q, k, v, eta, out, self.kept, self.mst, self.lst, self.part, self.cnt, self.gpart, self.gcnt, self.gsync,
+                 self.sync, self.S, self.nsplit, self.nsplit if phase == 0 else 0, self.ngmax, self.D**-0.5 * LOG2E, q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
                  v.stride(0), v.stride(1), v.stride(2)),
                 dict(HQ=self.Hq, HKV=self.Hkv, G=self.G, BLOCK_G=self.block_g, D=self.D, CHUNK=self.chunk,
-                     BLOCK_S=triton.next_power_of_2(self.nsplit), CH=4, UPCAST=not q.is_cuda, num_warps=self.warps))
+                     BLOCK_S=triton.next_power_of_2(self.nsplit), CH=4, GROUP=self.group, PHASE=phase,
+                     UPCAST=not q.is_cuda, num_warps=self.warps))
 
     def resident(self, q, k, v, eta) -> tuple[int, dict]:
         """Programs that fit on an SM at once, from the compiled kernel's registers and shared memory: a row's
         programs wait for each other, so a row of more programs than the GPU holds would never finish."""
         if not q.is_cuda:  # the interpreter: programs run one at a time, in two launches
             return 1 << 30, {}
-        args, kw = self._args(q, k, v, eta, torch.empty_like(q))
-        compiled = _onelaunch_kernel.warmup(*args, grid=(1,), PHASE=0, **kw)
+        args, kw = self._args(q, k, v, eta, torch.empty_like(q), 0)
+        compiled = _onelaunch_kernel.warmup(*args, grid=(1,), **kw)
         compiled._init_handles()  # loads the module: registers and spills are known from here
         regs, smem = compiled.n_regs, compiled.metadata.shared
         props = torch.cuda.get_device_properties(q.device)
@@ -151,13 +188,10 @@ class OneLaunch:
 
     def run(self, q, k, v, eta):
         out = torch.empty_like(q)
-        args, kw = self._args(q, k, v, eta, out)
         grid = (self.nsplit, self.B * self.Hkv)
-        if q.is_cuda:
-            _onelaunch_kernel[grid](*args, PHASE=0, **kw)
-        else:  # the interpreter: the same code in two launches instead of a meeting (programs run one at a time)
-            _onelaunch_kernel[grid](*args, PHASE=1, **kw)
-            _onelaunch_kernel[grid](*args, PHASE=2, **kw)
+        for phase in ((0,) if q.is_cuda else (1, 2)):  # the interpreter: two launches instead of a meeting
+            args, kw = self._args(q, k, v, eta, out, phase)
+            _onelaunch_kernel[grid](*args, **kw)
         return out, self.kept
 
 
@@ -175,6 +209,8 @@ def main() -> None:
                     help="B,Hq,Hkv,S (D = 128 at 12/2, 64 at 9/3: the real models' heads)")
     ap.add_argument("--chunks", type=int, nargs="*", default=[128, 256])
     ap.add_argument("--warps", type=int, nargs="*", default=[4, 8])
+    ap.add_argument("--groups", type=int, nargs="*", default=[8, 0],
+                    help="chunks summed by the last of each group before the row's sum (0: the row's last sums all)")
     ap.add_argument("--sparsity", type=float, nargs="*", default=[0.875, 0.95])
     ap.add_argument("--smoke", action="store_true",
                     help="CPU under TRITON_INTERPRET=1 (BENCH_DEVICE=cpu): the math, in two launches instead of a meeting")
@@ -188,11 +224,12 @@ def main() -> None:
         for B, Hq, Hkv, S, D, chunk in ((2, 12, 2, 77, 128, 128), (2, 12, 2, 333, 128, 32), (3, 9, 3, 250, 64, 16),
                                         (1, 8, 8, 33, 32, 64), (2, 16, 2, 100, 64, 16)):
             q, k, v = bd.make_inputs(B, Hq, Hkv, S, D, torch.float32, 3.0, 0.7, gen)
-            for sp in (0.875, 0.95):
+            for sp, group in ((0.875, 4), (0.95, 0)):
                 (eta, kept_ref, _), = bd.thresholds(q, k, [sp])
-                step = OneLaunch(B, Hq, Hkv, S, D, chunk, 4, q.device)
+                step = OneLaunch(B, Hq, Hkv, S, D, chunk, 4, q.device, group)
                 err = check(step, q, k, v, eta.float(), kept_ref.int(), range(B))
-                print(f"smoke {B},{Hq},{Hkv},{S},{D}, {step.nsplit} chunks, s = {sp}: kept equal, output error {err:.1e}")
+                print(f"smoke {B},{Hq},{Hkv},{S},{D}, {step.nsplit} chunks, groups of {group}, s = {sp}: kept equal, "
+                      f"output error {err:.1e}")
                 assert err < 1e-4, err
         return
     from siftattention.kernels import DecodeKernels
@@ -215,23 +252,22 @@ def main() -> None:
             t_two = bd.bench_graph(lambda q, k, v, e: kern.sparse(q, k, v, e, full), eta_sets)
             row = dict(B=B, Hq=Hq, Hkv=Hkv, S=S, D=D, sparsity=sp, v_rows=sum(t[j][2] for t in ths) / len(ths),
                        sdpa_ms=t_sdpa, dense_ms=t_dense, two_pass_ms=t_two, variants={})
-            for chunk in args.chunks:
-                for warps in args.warps:
-                    name = f"chunk{chunk}_w{warps}"
-                    try:
-                        step = OneLaunch(B, Hq, Hkv, S, D, chunk, warps, dev)
-                        slots, res = step.resident(*eta_sets[0])
-                        if step.nsplit > 0.9 * slots:  # the row would not fit on the GPU at once: it would hang
-                            row["variants"][name] = dict(skipped=f"{step.nsplit} programs a row, {slots} fit", **res)
-                            print(shape, sp, name, json.dumps(row["variants"][name]), flush=True)
-                            continue
-                        errs = [check(step, *s, t[j][1].int(), range(0, B, max(1, B // 3))) for s, t in zip(eta_sets, ths)]
-                        t_one = bd.bench_graph(lambda q, k, v, e: step.run(q, k, v, e), eta_sets)
-                        row["variants"][name] = dict(ms=t_one, err=max(errs), vs_two_pass=t_one / t_two, vs_sdpa=t_one / t_sdpa,
-                                                     programs=step.nsplit * B * Hkv, **res)
-                    except Exception as e:  # noqa: BLE001 - a variant that fails to compile or check is reported
-                        row["variants"][name] = dict(error=repr(e)[:300])
-                    print(shape, sp, name, json.dumps(row["variants"][name]), flush=True)
+            for chunk, warps, group in ((c, w, gr) for c in args.chunks for w in args.warps for gr in args.groups):
+                name = f"chunk{chunk}_w{warps}_g{group}"
+                try:
+                    step = OneLaunch(B, Hq, Hkv, S, D, chunk, warps, dev, group)
+                    slots, res = step.resident(*eta_sets[0])
+                    if step.nsplit > 0.9 * slots:  # the row would not fit on the GPU at once: it would hang
+                        row["variants"][name] = dict(skipped=f"{step.nsplit} programs a row, {slots} fit", **res)
+                        print(shape, sp, name, json.dumps(row["variants"][name]), flush=True)
+                        continue
+                    errs = [check(step, *s, t[j][1].int(), range(0, B, max(1, B // 3))) for s, t in zip(eta_sets, ths)]
+                    t_one = bd.bench_graph(lambda q, k, v, e: step.run(q, k, v, e), eta_sets)
+                    row["variants"][name] = dict(ms=t_one, err=max(errs), vs_two_pass=t_one / t_two, vs_sdpa=t_one / t_sdpa,
+                                                 programs=step.nsplit * B * Hkv, **res)
+                except Exception as e:  # noqa: BLE001 - a variant that fails to compile or check is reported
+                    row["variants"][name] = dict(error=repr(e)[:300])
+                print(shape, sp, name, json.dumps(row["variants"][name]), flush=True)
             report["rows"].append(row)
             args.out.write_text(json.dumps(report, indent=1) + "\n")
     print("\n| shape | s | V rows | SDPA ms | dense / SDPA | two-pass / SDPA | best one-launch / SDPA (variant) |")
