@@ -36,9 +36,72 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from siftattention.kernels.triton_quantile import _row_meet  # noqa: E402
 
 LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _chunk_program(Q, S, stride_qb, stride_qh, HKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
+                   D: tl.constexpr, CHUNK: tl.constexpr):
+    """This program's chunk and (batch, KV head) row, the group's query heads (padded to BLOCK_G) and its keys'
+    positions and validity."""
+    split = tl.program_id(0)
+    row = tl.program_id(1)
+    b = row // HKV
+    h = row % HKV
+    g = tl.arange(0, BLOCK_G)
+    gm = g < G
+    d = tl.arange(0, D)
+    q = tl.load(Q + b * stride_qb + (h * G + g)[:, None] * stride_qh + d[None, :], mask=gm[:, None], other=0.0)
+    n = split * CHUNK + tl.arange(0, CHUNK)
+    return split, row, b, h, g, gm, d, q, n, n < S
+
+
+@triton.jit
+def _merged(Mst, Lst, row, NSPLIT, g, BLOCK_G: tl.constexpr, MB: tl.constexpr):
+    """(largest max, sum of exp2 relative to it) [BLOCK_G] over the row's published chunk statistics, MB chunks a load
+    (the largest may be -inf: no valid key)."""
+    big = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    tot = tl.zeros([BLOCK_G], tl.float32)
+    mb = tl.arange(0, MB)
+    for j0 in range(0, NSPLIT, MB):
+        idx = (row * NSPLIT + j0 + mb)[:, None] * BLOCK_G + g[None, :]
+        msk = ((j0 + mb) < NSPLIT)[:, None]
+        ms = tl.load(Mst + idx, mask=msk, other=float("-inf"))
+        ls = tl.load(Lst + idx, mask=msk, other=0.0)
+        new = tl.maximum(big, tl.max(ms, axis=0))
+        safe = tl.where(new == float("-inf"), 0.0, new)
+        tot = tot * tl.exp2(big - safe) + tl.sum(ls * tl.exp2(ms - safe[None, :]), axis=0)
+        big = new
+    return big, tot
+
+
+@triton.jit
+def _row_stats(Mst, Lst, RowM, RowL, Sync, row, NSPLIT, target, g, BLOCK_G: tl.constexpr, MB: tl.constexpr,
+               MEET: tl.constexpr):
+    """The row's merged (max, sum) once every chunk has published its own. ``MEET`` (one launch on the GPU): the
+    program that arrives ``target``-th at the row's counter merges and publishes them and adds one more, the others
+    wait for that and read them (a row's chunks are merged once, not by each program). Without (the interpreter's
+    phase launches, programs run one at a time): each program merges."""
+    if MEET:
+        tl.debug_barrier()
+        seen = tl.atomic_add(Sync + row, 1, sem="acq_rel", scope="gpu") + 1
+        if seen == target:
+            big, tot = _merged(Mst, Lst, row, NSPLIT, g, BLOCK_G, MB)
+            tl.store(RowM + row * BLOCK_G + g, big)
+            tl.store(RowL + row * BLOCK_G + g, tot)
+            tl.debug_barrier()
+            tl.atomic_add(Sync + row, 1, sem="release", scope="gpu")
+        else:
+            while seen < target + 1:
+                seen = tl.load(Sync + row, volatile=True)
+            tl.atomic_add(Sync + row, 0, sem="acquire", scope="gpu")
+        tl.debug_barrier()
+        big = tl.load(RowM + row * BLOCK_G + g)
+        tot = tl.load(RowL + row * BLOCK_G + g)
+    else:
+        big, tot = _merged(Mst, Lst, row, NSPLIT, g, BLOCK_G, MB)
+    return big, tot
 
 
 @triton.jit
@@ -65,59 +128,17 @@ def _finish(Out, Kept, Sync, out, kept, total, b, h, row, g, gm, d, HQ: tl.const
 
 
 @triton.jit
-def _onelaunch_kernel(Q, K, V, Eta, Out, Kept, Mst, Lst, Part, Cnt, GPart, GCnt, GSync, Sync, S, NSPLIT, BASE, NGMAX,
-                      qk_scale2, stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-                      HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
-                      CHUNK: tl.constexpr, BLOCK_S: tl.constexpr, CH: tl.constexpr, GROUP: tl.constexpr,
-                      PHASE: tl.constexpr, UPCAST: tl.constexpr):
-    split = tl.program_id(0)
-    row = tl.program_id(1)
-    b = row // HKV
-    h = row % HKV
-    g = tl.arange(0, BLOCK_G)
-    gm = g < G
-    d = tl.arange(0, D)
-    q = tl.load(Q + b * stride_qb + (h * G + g)[:, None] * stride_qh + d[None, :], mask=gm[:, None], other=0.0)
-    n = split * CHUNK + tl.arange(0, CHUNK)
-    valid = n < S
-    k = tl.load(K + b * stride_kb + h * stride_kh + n[:, None] * stride_ks + d[None, :], mask=valid[:, None], other=0.0)
-    if UPCAST:  # the interpreter's 16-bit dots are not exact
-        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-    else:
-        s = tl.dot(q, tl.trans(k))
-    s = tl.where(valid[None, :], s * qk_scale2, float("-inf"))  # [BLOCK_G, CHUNK], log2 units
-    m = tl.max(s, axis=1)
-    l_ = tl.sum(tl.exp2(s - m[:, None]), axis=1)
-    stat = (row * NSPLIT + split) * BLOCK_G + g
-    if PHASE != 2:
-        tl.store(Mst + stat, m)
-        tl.store(Lst + stat, l_)
-    if PHASE == 1:  # the interpreter runs programs one by one: its first launch only publishes the statistics
-        return
-    if PHASE == 0:
-        _row_meet(Sync + row, NSPLIT)
-    sp = tl.arange(0, BLOCK_S)
-    ms = tl.load(Mst + (row * NSPLIT + sp)[:, None] * BLOCK_G + g[None, :], mask=(sp < NSPLIT)[:, None],
-                 other=float("-inf"))
-    ls = tl.load(Lst + (row * NSPLIT + sp)[:, None] * BLOCK_G + g[None, :], mask=(sp < NSPLIT)[:, None], other=0.0)
-    big = tl.max(ms, axis=0)
-    big_safe = tl.where(gm, big, 0.0)
-    total = tl.sum(ls * tl.exp2(ms - big_safe[None, :]), axis=0)
-    eta = tl.load(Eta + b * HQ + h * G + g, mask=gm, other=1.0)
-    thr = big_safe + tl.log2(tl.where(gm, total, 1.0)) + tl.log2(eta)  # p > eta  <=>  s > thr
-    keep = ((s > thr[:, None]) | (s == big_safe[:, None])) & valid[None, :] & gm[:, None]
-    p = tl.where(keep, tl.exp2(s - big_safe[:, None]), 0.0)
-    union = tl.max(keep.to(tl.int32), axis=0) > 0
-    v = tl.load(V + b * stride_vb + h * stride_vh + n[:, None] * stride_vs + d[None, :], mask=union[:, None], other=0.0)
-    if UPCAST:
-        acc = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
-    else:
-        acc = tl.dot(p.to(v.dtype), v)
+def _combine(Part, Cnt, GPart, GCnt, GSync, Sync, Out, Kept, acc, cnt, total, split, row, b, h, g, gm, d, NSPLIT, BASE,
+             NGMAX, HQ: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, CH: tl.constexpr,
+             GROUP: tl.constexpr):
+    """Publish this chunk's part (``acc`` [BLOCK_G, D], kept counts ``cnt``) and, for the last to finish, sum the row's:
+    in two levels with ``GROUP`` (the last of each GROUP chunks sums them, the row's last group the groups' sums), else
+    the row's last program sums them all. The row's counter stands at ``BASE`` when the chunks start to finish."""
     part = (row * NSPLIT + split) * BLOCK_G + g
     tl.store(Part + part[:, None] * D + d[None, :], acc, mask=gm[:, None])  # the group's heads only
-    tl.store(Cnt + part, tl.sum(keep.to(tl.int32), axis=1), mask=gm)
+    tl.store(Cnt + part, cnt, mask=gm)
     tl.debug_barrier()
-    if GROUP > 0:  # two levels: the last of each GROUP chunks sums them, the last group the groups' sums
+    if GROUP > 0:
         grp = split // GROUP
         gsize = tl.minimum(NSPLIT - grp * GROUP, GROUP)
         seen_g = tl.atomic_add(GSync + row * NGMAX + grp, 1, sem="acq_rel", scope="gpu") + 1
@@ -136,10 +157,73 @@ def _onelaunch_kernel(Q, K, V, Eta, Out, Kept, Mst, Lst, Part, Cnt, GPart, GCnt,
                 _finish(Out, Kept, Sync, out, kept, total, b, h, row, g, gm, d, HQ, G, D)
     else:
         seen = tl.atomic_add(Sync + row, 1, sem="acq_rel", scope="gpu") + 1
-        if seen == BASE + NSPLIT:  # the row's last program: sum the parts, set the counter back
+        if seen == BASE + NSPLIT:
             tl.debug_barrier()
             out, kept = _sum_parts(Part, Cnt, row * NSPLIT, NSPLIT, g, gm, d, BLOCK_G, D, CH)
             _finish(Out, Kept, Sync, out, kept, total, b, h, row, g, gm, d, HQ, G, D)
+
+
+@triton.jit
+def _gather_and_combine(keep, s, big, total, V, stride_vb, stride_vh, stride_vs, Part, Cnt, GPart, GCnt, GSync, Sync,
+                        Out, Kept, split, row, b, h, g, gm, d, n, NSPLIT, BASE, NGMAX, HQ: tl.constexpr, G: tl.constexpr,
+                        BLOCK_G: tl.constexpr, D: tl.constexpr, CH: tl.constexpr, GROUP: tl.constexpr,
+                        UPCAST: tl.constexpr):
+    """The kept keys' weights ``exp2(s - big)``, the V rows some head keeps (a masked load: the others are not
+    read), their product, and the row's sum (``_combine``), divided there by ``total``."""
+    p = tl.where(keep, tl.exp2(s - big[:, None]), 0.0)
+    union = tl.max(keep.to(tl.int32), axis=0) > 0
+    v = tl.load(V + b * stride_vb + h * stride_vh + n[:, None] * stride_vs + d[None, :], mask=union[:, None], other=0.0)
+    if UPCAST:
+        acc = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
+    else:
+        acc = tl.dot(p.to(v.dtype), v)
+    _combine(Part, Cnt, GPart, GCnt, GSync, Sync, Out, Kept, acc, tl.sum(keep.to(tl.int32), axis=1), total, split, row,
+             b, h, g, gm, d, NSPLIT, BASE, NGMAX, HQ, G, BLOCK_G, D, CH, GROUP)
+
+
+@triton.jit
+def _onelaunch_kernel(Q, K, V, Eta, Out, Kept, Mst, Lst, RowM, RowL, Part, Cnt, GPart, GCnt, GSync, Sync, S, NSPLIT,
+                      BASE, NGMAX,
+                      qk_scale2, stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+                      HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
+                      CHUNK: tl.constexpr, MB: tl.constexpr, CH: tl.constexpr, GROUP: tl.constexpr,
+                      PHASE: tl.constexpr, UPCAST: tl.constexpr):
+    split, row, b, h, g, gm, d, q, n, valid = _chunk_program(Q, S, stride_qb, stride_qh, HKV, G, BLOCK_G, D, CHUNK)
+    k = tl.load(K + b * stride_kb + h * stride_kh + n[:, None] * stride_ks + d[None, :], mask=valid[:, None], other=0.0)
+    if UPCAST:  # the interpreter's 16-bit dots are not exact
+        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = tl.where(valid[None, :], s * qk_scale2, float("-inf"))  # [BLOCK_G, CHUNK], log2 units
+    m = tl.max(s, axis=1)
+    l_ = tl.sum(tl.exp2(s - m[:, None]), axis=1)
+    stat = (row * NSPLIT + split) * BLOCK_G + g
+    if PHASE != 2:
+        tl.store(Mst + stat, m)
+        tl.store(Lst + stat, l_)
+    if PHASE == 1:  # the interpreter runs programs one by one: its first launch only publishes the statistics
+        return
+    big, total = _row_stats(Mst, Lst, RowM, RowL, Sync, row, NSPLIT, NSPLIT, g, BLOCK_G, MB, PHASE == 0)
+    big_safe = tl.where(gm, big, 0.0)
+    eta = tl.load(Eta + b * HQ + h * G + g, mask=gm, other=1.0)
+    thr = big_safe + tl.log2(tl.where(gm, total, 1.0)) + tl.log2(eta)  # p > eta  <=>  s > thr
+    keep = ((s > thr[:, None]) | (s == big_safe[:, None])) & valid[None, :] & gm[:, None]
+    _gather_and_combine(keep, s, big_safe, total, V, stride_vb, stride_vh, stride_vs, Part, Cnt, GPart, GCnt, GSync,
+                        Sync, Out, Kept, split, row, b, h, g, gm, d, n, NSPLIT, BASE, NGMAX, HQ, G, BLOCK_G, D, CH, GROUP,
+                        UPCAST)
+
+
+def resident_programs(kernel, args: tuple, kw: dict, warps: int, q: torch.Tensor) -> tuple[int, dict]:
+    """Programs of ``kernel`` that fit on the GPU at once, from its compiled registers and shared memory (all, under
+    the interpreter), and those resources."""
+    if not q.is_cuda:
+        return 1 << 30, {}
+    compiled = kernel.warmup(*args, grid=(1,), **kw)
+    compiled._init_handles()  # loads the module: registers and spills are known from here
+    regs, smem = compiled.n_regs, compiled.metadata.shared
+    per_sm = min(65536 // max(1, regs * 32 * warps), (233472 - 1024) // max(1, smem + 1024), 2048 // (32 * warps), 32)
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    return per_sm * sms, dict(regs=regs, spills=compiled.n_spills, smem=smem, per_sm=per_sm)
 
 
 class OneLaunch:
@@ -155,6 +239,8 @@ class OneLaunch:
         f32 = torch.float32
         self.mst = torch.empty(rows * self.nsplit * self.block_g, device=device, dtype=f32)
         self.lst = torch.empty_like(self.mst)
+        self.rowm = torch.empty(rows * self.block_g, device=device, dtype=f32)
+        self.rowl = torch.empty_like(self.rowm)
         self.part = torch.empty(rows * self.nsplit * self.block_g * D, device=device, dtype=f32)
         self.cnt = torch.empty(rows * self.nsplit * self.block_g, device=device, dtype=torch.int32)
         self.sync = torch.zeros(rows, device=device, dtype=torch.int32)
@@ -165,26 +251,18 @@ class OneLaunch:
         self.kept = torch.empty(B, Hq, device=device, dtype=torch.int32)
 
     def _args(self, q, k, v, eta, out, phase: int):
-        return ((q, k, v, eta, out, self.kept, self.mst, self.lst, self.part, self.cnt, self.gpart, self.gcnt, self.gsync,
-                 self.sync, self.S, self.nsplit, self.nsplit if phase == 0 else 0, self.ngmax, self.D**-0.5 * LOG2E, q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
+        return ((q, k, v, eta, out, self.kept, self.mst, self.lst, self.rowm, self.rowl, self.part, self.cnt, self.gpart,
+                 self.gcnt, self.gsync, self.sync, self.S, self.nsplit, self.nsplit + 1 if phase == 0 else 0, self.ngmax,
+                 self.D**-0.5 * LOG2E, q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
                  v.stride(0), v.stride(1), v.stride(2)),
                 dict(HQ=self.Hq, HKV=self.Hkv, G=self.G, BLOCK_G=self.block_g, D=self.D, CHUNK=self.chunk,
-                     BLOCK_S=triton.next_power_of_2(self.nsplit), CH=4, GROUP=self.group, PHASE=phase,
+                     MB=32, CH=4, GROUP=self.group, PHASE=phase,
                      UPCAST=not q.is_cuda, num_warps=self.warps))
 
     def resident(self, q, k, v, eta) -> tuple[int, dict]:
-        """Programs that fit on an SM at once, from the compiled kernel's registers and shared memory: a row's
-        programs wait for each other, so a row of more programs than the GPU holds would never finish."""
-        if not q.is_cuda:  # the interpreter: programs run one at a time, in two launches
-            return 1 << 30, {}
-        args, kw = self._args(q, k, v, eta, torch.empty_like(q), 0)
-        compiled = _onelaunch_kernel.warmup(*args, grid=(1,), **kw)
-        compiled._init_handles()  # loads the module: registers and spills are known from here
-        regs, smem = compiled.n_regs, compiled.metadata.shared
-        props = torch.cuda.get_device_properties(q.device)
-        per_sm = min(65536 // max(1, regs * 32 * self.warps), (233472 - 1024) // max(1, smem + 1024),
-                     2048 // (32 * self.warps), 32)
-        return per_sm * props.multi_processor_count, dict(regs=regs, spills=compiled.n_spills, smem=smem, per_sm=per_sm)
+        """Programs that fit on the GPU at once: a row's programs wait for each other, so a row of more programs than
+        the GPU holds would never finish."""
+        return resident_programs(_onelaunch_kernel, *self._args(q, k, v, eta, torch.empty_like(q), 0), self.warps, q)
 
     def run(self, q, k, v, eta):
         out = torch.empty_like(q)
@@ -201,6 +279,22 @@ def check(step, q, k, v, eta, kept_ref, rows) -> float:
     out, kept = step.run(q, k, v, eta)
     assert torch.equal(kept, kept_ref), f"kept counts differ in {int((kept != kept_ref).sum())} heads"
     return max(rel_err(out[b], ref_out64(q, k, v, eta, b)) for b in rows)
+
+
+def baselines(sets: list, sparsity: list[float], dev: str) -> tuple:
+    """The library's plan for the sets' shape, full sequence lengths, SDPA's and the dense kernel's times, and each
+    set's float64 thresholds at each sparsity (``bench_decode.thresholds``)."""
+    import bench_decode as bd
+
+    from siftattention.kernels import DecodeKernels
+
+    (B, Hq, D), (Hkv, S) = sets[0][0].shape, sets[0][1].shape[1:3]
+    full = bd.full_lens(B, S)
+    kern = DecodeKernels.plan(batch=B, q_heads=Hq, kv_heads=Hkv, max_len=S, head_dim=D, dtype=sets[0][0].dtype,
+                              device=torch.device(dev), scale=D**-0.5)
+    t_sdpa = bd.bench_graph(bd.sdpa_decode, sets)
+    t_dense = bd.bench_graph(lambda q, k, v: kern.dense(q, k, v, full), sets)
+    return kern, full, t_sdpa, t_dense, [bd.thresholds(q, k, sparsity) for q, k, v in sets]
 
 
 def main() -> None:
@@ -222,7 +316,7 @@ def main() -> None:
     gen = torch.Generator(device=dev).manual_seed(3)
     if args.smoke:
         for B, Hq, Hkv, S, D, chunk in ((2, 12, 2, 77, 128, 128), (2, 12, 2, 333, 128, 32), (3, 9, 3, 250, 64, 16),
-                                        (1, 8, 8, 33, 32, 64), (2, 16, 2, 100, 64, 16)):
+                                        (1, 8, 8, 33, 32, 64), (2, 16, 2, 100, 64, 16), (2, 12, 2, 600, 64, 16)):
             q, k, v = bd.make_inputs(B, Hq, Hkv, S, D, torch.float32, 3.0, 0.7, gen)
             for sp, group in ((0.875, 4), (0.95, 0)):
                 (eta, kept_ref, _), = bd.thresholds(q, k, [sp])
@@ -232,8 +326,6 @@ def main() -> None:
                       f"output error {err:.1e}")
                 assert err < 1e-4, err
         return
-    from siftattention.kernels import DecodeKernels
-
     report = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu (dry run)", "date": time.strftime("%Y-%m-%d %H:%M"), "triton": triton.__version__,
               "rows": []}
     print(report["device"], flush=True)
@@ -241,12 +333,7 @@ def main() -> None:
         B, Hq, Hkv, S = (int(x) for x in shape.split(","))
         D = 64 if Hq // Hkv == 3 else 128
         sets = [bd.make_inputs(B, Hq, Hkv, S, D, torch.bfloat16, 3.0, 0.7, gen) for _ in range(3)]
-        full = bd.full_lens(B, S)
-        kern = DecodeKernels.plan(batch=B, q_heads=Hq, kv_heads=Hkv, max_len=S, head_dim=D, dtype=torch.bfloat16,
-                                  device=torch.device(dev), scale=D**-0.5)
-        t_sdpa = bd.bench_graph(bd.sdpa_decode, sets)
-        t_dense = bd.bench_graph(lambda q, k, v: kern.dense(q, k, v, full), sets)
-        ths = [bd.thresholds(q, k, args.sparsity) for q, k, v in sets]
+        kern, full, t_sdpa, t_dense, ths = baselines(sets, args.sparsity, dev)
         for j, sp in enumerate(args.sparsity):
             eta_sets = [s + (t[j][0].float(),) for s, t in zip(sets, ths)]
             t_two = bd.bench_graph(lambda q, k, v, e: kern.sparse(q, k, v, e, full), eta_sets)
