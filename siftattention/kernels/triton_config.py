@@ -283,7 +283,7 @@ def _pow2(n: int) -> int:
 
 
 def _splits(s_max: int, rows: int, block_n: int, programs_per_sm: int, sms: int, min_len: int, fill: int,
-            resident: int, whole_waves: bool = True, max_waves: int = 4, max_len: int = 0) -> int:
+            resident: int, whole_waves: bool = True, max_waves: int = 4, max_len: int = 0, balance: bool = False) -> int:
     """Number of splits per row for a cache of ``s_max`` keys.
 
     Aim for ``programs_per_sm`` programs per SM with splits of at least ``min_len``
@@ -293,7 +293,8 @@ def _splits(s_max: int, rows: int, block_n: int, programs_per_sm: int, sms: int,
     Grids of at most ``max_waves`` waves (``resident`` programs fit on an SM at once) are
     then sized to a whole number of waves: 1.3 waves of short programs cost about as much as 2.
     ``whole_waves=False`` (the filter and dense passes): the fill rule rounds down, and a
-    grid of less than one wave stays as it is.
+    grid of less than one wave stays as it is. ``balance``: then fewer splits where the busiest SM's
+    load falls by at least a tenth (``_balanced``).
     The kernels divide each row's valid range into this many splits at run time.
     """
     n_blocks = _cdiv(s_max, block_n)
@@ -306,7 +307,7 @@ def _splits(s_max: int, rows: int, block_n: int, programs_per_sm: int, sms: int,
     if (whole_waves or rows * n >= slots) and rows * n <= max_waves * slots:
         waves = max(1, round(rows * n / slots))
         n = max(1, min(n_blocks, (waves * slots) // rows))
-    return n
+    return _balanced(n, rows, sms) if balance else n
 
 
 def _balanced(n: int, rows: int, sms: int) -> int:
@@ -354,13 +355,12 @@ def _plan(
     resident2 = cfg.resident2_wide if G > 4 else cfg.resident2
     programs2 = (min(cfg.programs2_persist_gqa, resident2) if persistent else cfg.programs2) if gqa else cfg.programs2_mha
     max_split2 = cfg.max_split2_persist_gqa if gqa and persistent else 0
+    balance = cfg.balance_splits and D >= 128
     ns2 = _splits(S, rows, block_n2, programs2, sms, cfg.min_split2, cfg.fill2, resident2, cfg.whole_waves2,
-                  max_len=max_split2)
+                  max_len=max_split2, balance=balance and G > 4)
     min_splitd = cfg.min_splitd_narrow if D <= 64 else cfg.min_splitd
     nsd = _splits(S, rows, block_nd, cfg.programsd, sms, min_splitd, cfg.filld, cfg.residentd, cfg.whole_wavesd,
-                  max_waves=cfg.wavesd)
-    if cfg.balance_splits and D >= 128:
-        ns2, nsd = _balanced(ns2, rows, sms) if G > 4 else ns2, _balanced(nsd, rows, sms)
+                  max_waves=cfg.wavesd, balance=balance)
     parallel = (B * Hq <= sms) if cfg.quantile_parallel == "auto" else bool(cfg.quantile_parallel)
     bracket = cfg.quantile_sample > 0
     nq = max(1, min((sms * cfg.quantile_resident) // (B * Hq), S // cfg.min_splitq)) if (

@@ -266,7 +266,7 @@ def _scan_head(Scores, row0, S_MAX, offs, n_mask, thr_a, amax_a, m_a, offs_ga, b
 
 
 @triton.jit
-def _scan_packed(Scores, Wc, idx_ptr, wk_ptr, row0, thr_a, amax_a, m_a, n_virt, base, stride, end, S_MAX,
+def _scan_packed(Scores, idx_ptr, wk_ptr, row0, thr_a, amax_a, m_a, n_virt, base, stride, end, S_MAX,
                  G: tl.constexpr, BLOCK_GA: tl.constexpr, BLOCK_A: tl.constexpr, CHUNK: tl.constexpr,
                  OPAQUE: tl.constexpr, STAGES: tl.constexpr, SHARED: tl.constexpr):
     """Phase A with few instructions a key: each thread scans whole keys, one head at a time, so the
@@ -276,7 +276,7 @@ def _scan_packed(Scores, Wc, idx_ptr, wk_ptr, row0, thr_a, amax_a, m_a, n_virt, 
     offs_a = tl.arange(0, BLOCK_A)
     offs_ga = tl.arange(0, BLOCK_GA)
     n_kept = n_virt * 0
-    WDTYPE: tl.constexpr = Wc.dtype.element_ty
+    WDTYPE: tl.constexpr = wk_ptr.dtype.element_ty
     for u0 in tl.range(0, n_virt, BLOCK_A, num_stages=STAGES):
         offs = _opaque(_split_pos(u0 + offs_a, base, stride, CHUNK, BLOCK_A), OPAQUE)
         n_mask = (u0 + offs_a < n_virt) & (offs < end)
@@ -455,7 +455,7 @@ def _filter_kernel(
             idx_ptr = Idx + bh.to(tl.int64) * S_MAX + start
             wk_ptr = Wc + (bh.to(tl.int64) * S_MAX + start) * BLOCK_GA
             if PACKED:
-                n_kept = _scan_packed(Scores, Wc, idx_ptr, wk_ptr, b.to(tl.int64) * HQ + hkv * G, thr_a, amax_a, m_a,
+                n_kept = _scan_packed(Scores, idx_ptr, wk_ptr, b.to(tl.int64) * HQ + hkv * G, thr_a, amax_a, m_a,
                                       n_virt, base, stride, end, S_MAX, G, BLOCK_GA, BLOCK_A, CHUNK, PACKED_OPAQUE,
                                       SCAN_STAGES, SHARED)
             else:
