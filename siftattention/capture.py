@@ -15,6 +15,7 @@ torch.Size([1, 3, 4096, 64])
 
 from __future__ import annotations
 
+import inspect
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -108,8 +109,11 @@ def capture_attention(
     AttentionMaskInterface.register(name, sdpa_mask)
     try:
         model.set_attn_implementation(name)
+        # Only the attention is wanted: logits for every position would be [B, N, vocab] (34 GB at Gemma-3's
+        # 262k vocabulary and 32768 tokens).
+        logits = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
         with torch.no_grad():
-            model(input_ids, use_cache=False)
+            model(input_ids, use_cache=False, **logits)
     finally:
         model.set_attn_implementation(previous)
         AttentionInterface._global_mapping.pop(name, None)

@@ -57,6 +57,19 @@ def test_capture_equals_the_cache_and_reproduces_attention_in_float64():
             torch.testing.assert_close(expected, outs[layer][:, position].double(), rtol=1e-4, atol=1e-5)
 
 
+def test_capture_computes_logits_for_the_last_position_only():
+    model = tiny_llama(layers=2, heads=4, kv_heads=2)
+    ids = torch.randint(3, 97, (2, 29))
+    rows = []
+    hook = model.lm_head.register_forward_hook(lambda m, a, o: rows.append(a[0].shape[1]))
+    try:
+        cap = capture_attention(model, ids, layers=[1], positions=[28])
+    finally:
+        hook.remove()
+    assert rows == [1]
+    assert torch.equal(cap.key[1], cache_of(model, ids)[1][0])
+
+
 def test_capture_saves_and_loads(tmp_path):
     model = tiny_llama()
     cap = capture_attention(model, torch.randint(3, 97, (1, 9)), source="planted")
