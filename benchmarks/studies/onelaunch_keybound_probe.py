@@ -21,6 +21,10 @@ library's exact and key-bound steps, its dense kernel and SDPA, on planted input
     PYTHONPATH=. timeout 400 python3 benchmarks/studies/onelaunch_keybound_probe.py --captured /root/cap_qwen_32768.pt \
         --batch 16 --out $OUT/onelaunch_keybound_probe_h100.json
     BENCH_DEVICE=cpu TRITON_INTERPRET=1 PYTHONPATH=. python3 benchmarks/studies/onelaunch_keybound_probe.py --smoke
+
+Answer (H100, 2026-11-27, planted GQA 12/2 at 16 x 32768 and 8 x 16640, ``onelaunch_keybound_probe_h100.json``):
+no. Exact in every variant, but 2.9-4.1x SDPA against the three launches' 1.10-1.35x: the meetings make a row's
+programs wait in lockstep (docs/kernels.md, "One launch, the scores kept on chip").
 """
 
 from __future__ import annotations

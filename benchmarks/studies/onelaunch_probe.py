@@ -20,6 +20,10 @@ order; the probe skips variants whose row cannot be resident at once, but a hang
     BENCH_DEVICE=cpu TRITON_INTERPRET=1 PYTHONPATH=. python3 benchmarks/studies/onelaunch_probe.py --smoke   # CPU
     BENCH_DEVICE=cpu TRITON_INTERPRET=1 PYTHONPATH=. python3 benchmarks/studies/onelaunch_probe.py \
         --shapes 2,12,2,300 --chunks 64 --warps 4      # the whole script on the CPU (times meaningless)
+
+Answer (H100, 2026-11-27, ``onelaunch_probe_h100.json``): no. Exact in every variant; the best at 2.2-2.9x SDPA on
+Qwen's shapes and 1.24-1.28x on SmolLM2's, against the two passes' 0.84-1.00x (docs/kernels.md, "One launch, the
+scores kept on chip").
 """
 
 from __future__ import annotations
