@@ -42,7 +42,7 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from onelaunch_probe import (LOG2E, _chunk_program, _gather_and_combine, _row_stats, baselines,  # noqa: E402
-                             resident_programs)
+                             best_variant, resident_programs)
 
 from siftattention.kernels.keybound import MARGIN, OFFSET_ROUNDING, SLACK2, quantize_keys  # noqa: E402
 from siftattention.kernels.triton_keybound import _channel_dot  # noqa: E402
@@ -260,9 +260,8 @@ def main() -> None:
           "(candidates; variant) |")
     print("|---|---|---|---|---|---|")
     for r in report["rows"]:
-        ok = {k: v for k, v in r["variants"].items() if "ms" in v}
-        best = min(ok, key=lambda k: ok[k]["ms"]) if ok else None
-        cell = f"{ok[best]['vs_sdpa']:.3f} ({ok[best]['candidates']:.3f}; {best})" if best else "failed"
+        best = best_variant(r["variants"])
+        cell = f"{best[1]['vs_sdpa']:.3f} ({best[1]['candidates']:.3f}; {best[0]})" if best else "failed"
         print(f"| {r['B']}x{r['S']} | {r['sparsity']} | {r['v_rows']:.3f} | {r['exact_two_pass_ms'] / r['sdpa_ms']:.3f} | "
               f"{r['keybound_three_launch_ms'] / r['sdpa_ms']:.3f} | {cell} |")
 

@@ -285,6 +285,12 @@ def check(step, q, k, v, eta, kept_ref, rows) -> float:
     return max(rel_err(out[b], ref_out64(q, k, v, eta, b)) for b in rows)
 
 
+def best_variant(variants: dict) -> tuple[str, dict] | None:
+    """The fastest variant that ran and checked (name, its row), or None where every one failed."""
+    ran = {name: v for name, v in variants.items() if "ms" in v}
+    return min(ran.items(), key=lambda item: item[1]["ms"]) if ran else None
+
+
 def baselines(sets: list, sparsity: list[float], dev: str) -> tuple:
     """The library's plan for the sets' shape, full sequence lengths, SDPA's and the dense kernel's times, and each
     set's float64 thresholds at each sparsity (``bench_decode.thresholds``)."""
@@ -364,9 +370,8 @@ def main() -> None:
     print("\n| shape | s | V rows | SDPA ms | dense / SDPA | two-pass / SDPA | best one-launch / SDPA (variant) |")
     print("|---|---|---|---|---|---|---|")
     for r in report["rows"]:
-        ok = {k: v for k, v in r["variants"].items() if "ms" in v}
-        best = min(ok, key=lambda k: ok[k]["ms"]) if ok else None
-        cell = f"{ok[best]['vs_sdpa']:.3f} ({best})" if best else "failed"
+        best = best_variant(r["variants"])
+        cell = f"{best[1]['vs_sdpa']:.3f} ({best[0]})" if best else "failed"
         print(f"| {r['B']}x{r['Hq']}/{r['Hkv']}x{r['S']} | {r['sparsity']} | {r['v_rows']:.3f} | {r['sdpa_ms']:.4f} | "
               f"{r['dense_ms'] / r['sdpa_ms']:.3f} | {r['two_pass_ms'] / r['sdpa_ms']:.3f} | {cell} |")
     if not math.isfinite(sum(r["sdpa_ms"] for r in report["rows"])):
