@@ -499,7 +499,7 @@ class SiftHandle:
             keys = self._step_keys(layer, attention_mask, key.shape[2], query.shape[0], query.device, window)
             if self._copy_windows is not None:  # a copy of its own: the range is shared by the forward's layers
                 keys = dataclasses.replace(keys, key_copy=self._follow_keys(layer, key, 1, lambda: keys.starts))
-        kernels, planned = self._plan(query, key, scaling)
+        kernels, planned = self._plan(query, key, scaling, window)
         if planned and kernels.compiles_ahead:
             self._compile_ahead(kernels, layer, step, query, key, value, keys)
             if self.context is not None and self.context.captures:
@@ -581,21 +581,25 @@ class SiftHandle:
         loop may capture the phase's first step in a CUDA graph instead of running it eagerly first."""
         return bool(self._plans) and all(phase in self._launched.get(id(plan), ()) for plan in self._plans.values())
 
-    def _plan(self, query: torch.Tensor, key: torch.Tensor, scaling: float) -> tuple[Any, bool]:
+    def _plan(self, query: torch.Tensor, key: torch.Tensor, scaling: float,
+              window: int | None = None) -> tuple[Any, bool]:
         """The kernels for this shape, planned once (scratch buffers and launch plan) and reused;
-        and whether they were planned by this call."""
+        and whether they were planned by this call. A sliding-window layer gets a plan of its own, its
+        grids sized for the window rather than the cache."""
         from .kernels import DecodeKernels
 
         B, Hq, _, D = query.shape
         # transformers' cache grows a key a step: plan for a power-of-two capacity, so the launch plan
         # (and the kernel variants Triton compiles for it) changes only when the length doubles.
         capacity = key.shape[2] if self.context is not None else plan_capacity(key.shape[2])
-        sig = (B, Hq, key.shape[1], capacity, D, query.dtype, query.device, float(scaling))
+        span = window if window and window < capacity else None
+        sig = (B, Hq, key.shape[1], capacity, span, D, query.dtype, query.device, float(scaling))
         plan = self._plans.get(sig)
         if plan is None:
             plan = DecodeKernels.plan(
                 batch=B, q_heads=Hq, kv_heads=key.shape[1], max_len=capacity, head_dim=D, dtype=query.dtype,
                 device=query.device, scale=float(scaling), renormalize=self.method.renormalize, backend=self.decode_backend,
+                max_range=span,
             )
             self._plans[sig] = plan
             return plan, True

@@ -340,6 +340,23 @@ def test_generate_plans_decode_kernels_once_per_capacity():
     assert capacities == [128, 256]  # keys 100 to 139: two capacities, not 39 lengths
 
 
+def test_sliding_window_layers_get_plans_sized_for_their_window():
+    # Gemma-3's local layers read at most their window however long the cache: their plan's grids follow the
+    # window (DecodeKernels.plan's max_range); the global layer keeps the cache-wide plan.
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    cfg = Gemma3TextConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=16, sliding_window=6, pad_token_id=0,
+                           layer_types=["sliding_attention", "sliding_attention", "full_attention"])
+    model = Gemma3ForCausalLM(cfg).eval()
+    ids = torch.randint(3, 97, (2, 20))
+    with apply(model, Sift(tau=0.5, warmup=4)) as handle, torch.no_grad():
+        model.generate(ids, max_new_tokens=12, do_sample=False, min_new_tokens=12)
+        plans = {sig[3:5]: plan.max_range for sig, plan in handle._plans.items()}
+    assert plans == {(128, None): None, (128, 6): 6}
+
+
 def test_new_plans_compile_their_phases_ahead_on_a_scratch_state(monkeypatch):
     # A new decode plan compiles the kernels of each phase the method names, at once, on a
     # scratch state: the generation, its statistics and the method's state are those of a run

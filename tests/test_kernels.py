@@ -346,6 +346,24 @@ def test_balanced_splits_plan():
     assert splits(8, 9, 3, 8192, 64) == splits(8, 9, 3, 8192, 64, balance_splits=False)
 
 
+def test_window_plan_sizes_grids_for_the_window():
+    # A sliding-window layer's rows hold at most the window's keys however long the cache: its plan's
+    # splits are those of a cache as long as the window (Gemma-3: 512 keys in a 33k-key cache took
+    # 23.6 us a Sift step on an H100, against 14.4 us planned for 512 keys), its scratch the cache's.
+    from siftattention.kernels.triton_config import KernelConfig, _plan
+
+    cfg = KernelConfig()
+    keys = ("ns1", "ns2", "nsd", "CHUNK2", "NQ", "QBITS")
+    for B, Hq, Hkv, D, window in ((16, 4, 1, 256, 512), (8, 32, 8, 128, 4096), (1, 12, 2, 128, 1024)):
+        windowed = _plan(B, Hq, Hkv, 33024, D, torch.bfloat16, 132, True, False, cfg, span=window)
+        short = _plan(B, Hq, Hkv, window, D, torch.bfloat16, 132, True, False, cfg)
+        whole = _plan(B, Hq, Hkv, 33024, D, torch.bfloat16, 132, True, False, cfg)
+        assert {k: windowed[k] for k in keys} == {k: short[k] for k in keys}
+        assert (windowed["S"], windowed["span"], whole["span"]) == (33024, window, 33024)
+        assert windowed["ns1"] < whole["ns1"]
+    assert _plan(4, 8, 2, 1000, 64, torch.float16, 132, True, False, cfg, span=5000)["span"] == 1000
+
+
 def test_persistent_scores_plan():
     # The scores pass turns persistent (a fixed grid looping over every (split, row)) only with
     # many rows and several rounds of work per program; small batches and short caches keep
@@ -803,7 +821,8 @@ def test_plan_argument_checks():
     with pytest.raises(ValueError, match="float32"):
         DecodeKernels.plan(**{**ok, "dtype": torch.float16}, backend="cpu")
     for bad, match in ((dict(kv_heads=3), "multiple"), (dict(batch=0), "batch"), (dict(dtype=torch.float64), "dtype"),
-                       (dict(scale=float("nan")), "scale"), (dict(backend="cuda"), "unknown backend")):
+                       (dict(scale=float("nan")), "scale"), (dict(backend="cuda"), "unknown backend"),
+                       (dict(max_range=0), "max_range"), (dict(max_range=4.0), "max_range")):
         with pytest.raises(ValueError, match=match):
             DecodeKernels.plan(**{**ok, **bad})
     if os.environ.get("TRITON_INTERPRET") != "1":
@@ -1047,7 +1066,9 @@ def capacity_results(config) -> list[dict]:
     from siftattention.kernels import DecodeKernels
 
     res = []
-    for i in (0, 2):  # MHA float32, GQA 4 bfloat16; ragged starts and lengths
+    # MHA float32, GQA 4 bfloat16; ragged starts and lengths; then a plan whose grids are sized for 16-key rows
+    # (a sliding window's plan), which must stay exact on the longer rows it is given here.
+    for i, span in ((0, None), (2, None), (0, 16), (2, 16)):
         B, Hq, Hkv, S, D, dt = PLAN_CASES[i]
         gen = torch.Generator().manual_seed(91 + i)
         dtype = getattr(torch, dt)
@@ -1059,11 +1080,13 @@ def capacity_results(config) -> list[dict]:
         eta = range_eta(q, k, D**-0.5, sl, st, gen)
         ref, ref_kept, ref_dense, ref_theta = ref_range(q, k, v, eta, D**-0.5, sl, st, False, 0.75)
         kern = DecodeKernels.plan(batch=B, q_heads=Hq, kv_heads=Hkv, max_len=plan_capacity(S), head_dim=D, dtype=dtype,
-                                  device="cpu", scale=D**-0.5, backend="triton", config=config)
+                                  device="cpu", scale=D**-0.5, backend="triton", config=config, max_range=span)
         out, kept = kern.sparse(q, k, v, eta, sl, st)
         dense = kern.dense(q, k, v, sl, st)
         warm_out, theta = kern.warmup(q, k, v, 0.75, sl, st)
-        res.append(dict(case=i, dtype=dt, capacity=kern.max_len, kept_ref=bool(torch.equal(kept, ref_kept)),
+        geo = kern.geometry
+        res.append(dict(case=i, dtype=dt, capacity=kern.max_len, span=span, longest=int((sl - st).max()),
+                        splits=(geo["ns1"], geo["ns2"], geo["nsd"]), kept_ref=bool(torch.equal(kept, ref_kept)),
                         err=rel(out, ref), dense_err=rel(dense, ref_dense), warm_err=rel(warm_out, ref_dense),
                         theta_err=float(((theta.double() - ref_theta).abs() / ref_theta.abs().clamp_min(1e-30)).max())))
     return res
@@ -1296,10 +1319,11 @@ def test_triton_plan_matches_float64(triton_results):
     for r in triton_results["persistent"]:
         assert r["persistent"] and r["out_equal"] and r["kept_equal"] and r["kept_ref"], r
         assert r["err"] < (1e-5 if r["dtype"] == "float32" else 1e-2), r
-    assert len(triton_results["capacity"]) == 2
+    assert [r["span"] for r in triton_results["capacity"]] == [None, None, 16, 16]
     for r in triton_results["capacity"]:
         tol = 1e-5 if r["dtype"] == "float32" else 1e-2
         assert r["capacity"] >= 128 and r["kept_ref"], r
+        assert r["span"] is None or r["longest"] > r["span"], r  # rows longer than the plan's range, still exact
         assert max(r["err"], r["dense_err"], r["warm_err"]) < tol and r["theta_err"] < 1e-4, r
 
 

@@ -109,9 +109,11 @@ class DecodeKernels:
     """
 
     def __init__(self, backend: str, batch: int, q_heads: int, kv_heads: int, max_len: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device, scale: float, renormalize: bool, config=None):
+                 dtype: torch.dtype, device: torch.device, scale: float, renormalize: bool, config=None,
+                 max_range: int | None = None):
         self.backend = backend
         self.batch, self.q_heads, self.kv_heads, self.max_len, self.head_dim = batch, q_heads, kv_heads, max_len, head_dim
+        self.max_range = max_range
         self.dtype, self.device, self.scale, self.renormalize = dtype, device, scale, renormalize
         self._taus: dict[float, torch.Tensor] = {}  # a float tau as the [B, Hq] tensor the kernels read
         self._onepass: dict[tuple[int, int], object] = {}  # one-pass anchored plans by (first, last) anchors
@@ -123,7 +125,8 @@ class DecodeKernels:
 
             self._td = td
             self.config = config or td.config_for(device)
-            self.geometry = td.geometry(batch, q_heads, kv_heads, max_len, head_dim, dtype, device, self.config)
+            self.geometry = td.geometry(batch, q_heads, kv_heads, max_len, head_dim, dtype, device, self.config,
+                                        span=max_range)
             self.workspace = td.Workspace(self.geometry, device)
             self.anchored_onepass = td.anchored_onepass(self.geometry, self.config)
         if backend == "cpu":
@@ -146,14 +149,18 @@ class DecodeKernels:
         renormalize: bool = False,
         backend: str = "auto",
         config=None,
+        max_range: int | None = None,
     ) -> "DecodeKernels":
         """Check the shape, pick the backend and allocate the scratch for it.
 
         ``backend``: "auto" (Triton on CUDA, the fused C++ kernel for float32 on the CPU,
         torch elsewhere), "torch", "cpu", or "triton" (on CPU only under TRITON_INTERPRET=1). ``config``: a Triton ``KernelConfig``
-        (default: the tuned one for the device).
+        (default: the tuned one for the device). ``max_range``: the most valid keys a row will have (a sliding
+        window's length), which sizes the Triton launch grids; rows of any length stay correct (None: ``max_len``).
         """
         check_shape(batch, q_heads, kv_heads, max_len, head_dim, dtype)
+        if max_range is not None and (isinstance(max_range, bool) or not isinstance(max_range, int) or max_range < 1):
+            raise ValueError(f"max_range must be a positive int or None, got {max_range!r}")
         if not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
             raise ValueError(f"scale must be a positive finite float, got {scale!r}")
         device = torch.device(device)
@@ -161,7 +168,7 @@ class DecodeKernels:
             device = torch.device("cuda", torch.cuda.current_device())
         which = resolve_backend(backend, device, dtype)
         return cls(which, batch, q_heads, kv_heads, max_len, head_dim, dtype, device, float(scale),
-                   bool(renormalize), config)
+                   bool(renormalize), config, max_range)
 
     def sparse(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                eta: torch.Tensor | PowerLawThreshold, seq_lens: torch.Tensor,

@@ -336,9 +336,15 @@ def _chunk(want: int, s_max: int, splits: int, runs: int = 1) -> int:
 
 @functools.lru_cache(maxsize=256)
 def _plan(
-    B: int, Hq: int, Hkv: int, S: int, D: int, dtype: torch.dtype, sms: int, hopper: bool, interp: bool, cfg: KernelConfig
+    B: int, Hq: int, Hkv: int, S: int, D: int, dtype: torch.dtype, sms: int, hopper: bool, interp: bool, cfg: KernelConfig,
+    span: int | None = None,
 ) -> dict:
-    """Launch geometry for one problem shape, computed once (host time matters at decode)."""
+    """Launch geometry for one problem shape, computed once (host time matters at decode).
+
+    ``S``: the cache's positions (scratch is indexed by position); ``span``: the longest valid range a
+    call will have (a sliding window), which sizes the splits: a 512-key window cut into a 33k-key
+    row's splits leaves each program a few keys while every pass still pays its fixed cost (None: ``S``)."""
+    R = min(S, span) if span else S
     G = Hq // Hkv
     rows = B * Hkv
     # The tuned tiles hold 256-byte rows (D = 128 in 16 bits); wider rows (D = 256, or float32)
@@ -349,32 +355,32 @@ def _plan(
     block_n1, block_n2, block_nd = (max(16, n // shrink) for n in (cfg.block_n1, cfg_n2, cfg.block_nd))
     block_nb = max(16, (cfg_nb or cfg_n2) // shrink)
     stages_b = (cfg.stages_b_gqa if gqa else cfg.stages_b) or cfg.stages2
-    ns1 = _splits(S, rows, block_n1, cfg.programs1, sms, cfg.min_split1, cfg.fill, cfg.resident1, max_waves=cfg.waves1)
+    ns1 = _splits(R, rows, block_n1, cfg.programs1, sms, cfg.min_split1, cfg.fill, cfg.resident1, max_waves=cfg.waves1)
     persistent = bool(cfg.persist1) and rows >= cfg.persist1_min_rows and (
         rows * ns1 >= cfg.persist1_min_waves * cfg.persist1 * sms)
     resident2 = cfg.resident2_wide if G > 4 else cfg.resident2
     programs2 = (min(cfg.programs2_persist_gqa, resident2) if persistent else cfg.programs2) if gqa else cfg.programs2_mha
     max_split2 = cfg.max_split2_persist_gqa if gqa and persistent else 0
     balance = cfg.balance_splits and D >= 128
-    ns2 = _splits(S, rows, block_n2, programs2, sms, cfg.min_split2, cfg.fill2, resident2, cfg.whole_waves2,
+    ns2 = _splits(R, rows, block_n2, programs2, sms, cfg.min_split2, cfg.fill2, resident2, cfg.whole_waves2,
                   max_len=max_split2, balance=balance and G > 4)
     min_splitd = cfg.min_splitd_narrow if D <= 64 else cfg.min_splitd
-    nsd = _splits(S, rows, block_nd, cfg.programsd, sms, min_splitd, cfg.filld, cfg.residentd, cfg.whole_wavesd,
+    nsd = _splits(R, rows, block_nd, cfg.programsd, sms, min_splitd, cfg.filld, cfg.residentd, cfg.whole_wavesd,
                   max_waves=cfg.wavesd, balance=balance)
     parallel = (B * Hq <= sms) if cfg.quantile_parallel == "auto" else bool(cfg.quantile_parallel)
     bracket = cfg.quantile_sample > 0
-    nq = max(1, min((sms * cfg.quantile_resident) // (B * Hq), S // cfg.min_splitq)) if (
+    nq = max(1, min((sms * cfg.quantile_resident) // (B * Hq), R // cfg.min_splitq)) if (
         parallel and bracket and not interp) else 1
-    qbits = cfg.quantile_bracket_bits if S >= cfg.quantile_long_row or nq > 1 else cfg.quantile_bracket_bits_short
+    qbits = cfg.quantile_bracket_bits if R >= cfg.quantile_long_row or nq > 1 else cfg.quantile_bracket_bits_short
     return dict(
-        B=B, Hq=Hq, Hkv=Hkv, S=S, D=D, G=G, dtype=dtype, use_dot=cfg.use_dot,
+        B=B, Hq=Hq, Hkv=Hkv, S=S, span=R, D=D, G=G, dtype=dtype, use_dot=cfg.use_dot,
         BLOCK_N1=block_n1, BLOCK_N2=block_n2, BLOCK_ND=block_nd, BLOCK_NB=block_nb, STAGES_B=stages_b,
         BLOCK_G=max(16, _pow2(G)) if cfg.use_dot else _pow2(G),
         BLOCK_GA=_pow2(G),
         # Packed: a kept key's word holds its position (< 2**24) and its heads' bits (G <= 8).
         PACKED=cfg.scan_packed and cfg.use_dot and G <= 8 and S < 2**24,
         BLOCK_A=max(cfg.block_a, cfg.scan_elems // _pow2(G)),
-        CHUNK2=_chunk(cfg.interleave2, S, ns2, cfg.interleave2_runs),
+        CHUNK2=_chunk(cfg.interleave2, R, ns2, cfg.interleave2_runs),
         BLOCK_D=max(16, _pow2(D)),
         prec="ieee" if dtype == torch.float32 else "tf32",
         upcast=dtype == torch.bfloat16 and interp,
@@ -397,14 +403,15 @@ def _plan(
 
 def anchored_onepass(geo: dict, cfg: KernelConfig) -> bool:
     """Whether ``Sift(normalizer="anchored")`` takes its one-pass kernel on this plan (see KernelConfig)."""
-    one = geo["G"] > 1 and geo["B"] * geo["Hkv"] >= cfg.onepass_min_rows and geo["S"] >= cfg.onepass_min_len
+    one = geo["G"] > 1 and geo["B"] * geo["Hkv"] >= cfg.onepass_min_rows and geo["span"] >= cfg.onepass_min_len
     return one or not geo["fused"]  # the two-pass form writes the gap in the fused combine
 
 
-def geometry(B: int, Hq: int, Hkv: int, S: int, D: int, dtype: torch.dtype, device: torch.device, cfg: KernelConfig) -> dict:
+def geometry(B: int, Hq: int, Hkv: int, S: int, D: int, dtype: torch.dtype, device: torch.device, cfg: KernelConfig,
+             span: int | None = None) -> dict:
     interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
     sms, hopper, _ = _device_info(device)
-    return _plan(B, Hq, Hkv, S, D, dtype, sms, hopper, interp, cfg)
+    return _plan(B, Hq, Hkv, S, D, dtype, sms, hopper, interp, cfg, span)
 
 
 class Workspace:
