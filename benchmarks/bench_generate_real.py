@@ -95,9 +95,14 @@ def read_weight_bytes(model) -> int:
 
 
 def kv_bytes(model, batch: int, seq: int) -> int:
+    """Bytes of the valid KV cache a decode step reads at ``seq`` keys (16-bit): a sliding-window layer
+    reads its window only (Gemma-3: 15 of its 18 layers read 512 keys)."""
     cfg = model.config.get_text_config()
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return 2 * batch * seq * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 2
+    kinds = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
+    window = getattr(cfg, "sliding_window", None)
+    keys = sum(min(seq, window) if kind == "sliding_attention" and window else seq for kind in kinds)
+    return 2 * batch * keys * cfg.num_key_value_heads * head_dim * 2
 
 
 def agreement(reference: list[list[int]], tokens: list[list[int]]) -> dict:
