@@ -1337,6 +1337,37 @@ CUDA_CASES = PLAN_CASES + [(2, 32, 8, 3001, 128, "float16"), (1, 32, 8, 20011, 1
 
 
 @needs_cuda
+@pytest.mark.parametrize("Hq,Hkv,D,dt", [(4, 1, 256, "bfloat16"), (12, 2, 128, "float16"), (9, 3, 64, "bfloat16")])
+def test_cuda_window_plans_match_float64(Hq, Hkv, D, dt):
+    # Sliding-window rows (the last 333 keys of a 3001-key cache, Gemma-3's and other layouts) under a plan sized
+    # for the window, and two rows longer than it, which the plan must still serve exactly: all three steps.
+    from siftattention.kernels import DecodeKernels
+
+    B, S, W, dtype = 6, 3001, 333, getattr(torch, dt)
+    gen = torch.Generator().manual_seed(67 + D)
+    q, k, v, _ = make_case(B, Hq, Hkv, S, D, dtype, gen, ragged=False)
+    sl = torch.randint(W + 1, S + 1, (B,), generator=gen).int()
+    st = (sl - W).clamp(min=0).int()
+    sl[0], st[0] = S, 0  # the whole cache
+    st[1] = max(0, int(sl[1]) - 2 * W)  # twice the window
+    eta = range_eta(q, k, D**-0.5, sl, st, gen)
+    ref, ref_kept, ref_dense, ref_theta = ref_range(q, k, v, eta, D**-0.5, sl, st, False, 0.75)
+    kern = DecodeKernels.plan(batch=B, q_heads=Hq, kv_heads=Hkv, max_len=S, head_dim=D, dtype=dtype, device="cuda",
+                              scale=D**-0.5, max_range=W)
+    whole = DecodeKernels.plan(batch=B, q_heads=Hq, kv_heads=Hkv, max_len=S, head_dim=D, dtype=dtype, device="cuda",
+                               scale=D**-0.5)
+    assert kern.geometry["ns1"] < whole.geometry["ns1"]
+    args = [t.cuda() for t in (q, k, v)]
+    out, kept = kern.sparse(*args, eta.cuda(), sl.cuda(), st.cuda())
+    dense = kern.dense(*args, sl.cuda(), st.cuda())
+    warm_out, theta = kern.warmup(*args, 0.75, sl.cuda(), st.cuda())
+    assert torch.equal(kept.cpu(), ref_kept)
+    tol = 1e-2
+    assert max(rel(out.cpu(), ref), rel(dense.cpu(), ref_dense), rel(warm_out.cpu(), ref_dense)) < tol
+    assert float(((theta.cpu().double() - ref_theta).abs() / ref_theta.abs().clamp_min(1e-30)).max()) < 1e-4
+
+
+@needs_cuda
 def test_cuda_plan_matches_float64():
     check_plan_rows(plan_results("cuda", "triton", CUDA_CASES), 2 * len(CUDA_CASES))
 
