@@ -44,6 +44,7 @@ import torch
 from siftattention import Full, Sift, TopK
 from siftattention.data import load_corpus, read_text_file
 from siftattention.eval.tasks.base import common_prefix, rouge_l
+from siftattention.generation.cache import layer_kinds
 from siftattention.models import load_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -99,9 +100,8 @@ def kv_bytes(model, batch: int, seq: int) -> int:
     reads its window only (Gemma-3: 15 of its 18 layers read 512 keys)."""
     cfg = model.config.get_text_config()
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    kinds = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
     window = getattr(cfg, "sliding_window", None)
-    keys = sum(min(seq, window) if kind == "sliding_attention" and window else seq for kind in kinds)
+    keys = sum(min(seq, window) if kind == "sliding_attention" and window else seq for kind in layer_kinds(model.config))
     return 2 * batch * keys * cfg.num_key_value_heads * head_dim * 2
 
 

@@ -15,7 +15,6 @@ torch.Size([1, 3, 4096, 64])
 
 from __future__ import annotations
 
-import inspect
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +24,8 @@ import torch
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from .inputs import forward_kwargs
 
 
 @dataclass
@@ -111,7 +112,7 @@ def capture_attention(
         model.set_attn_implementation(name)
         # Only the attention is wanted: logits for every position would be [B, N, vocab] (34 GB at Gemma-3's
         # 262k vocabulary and 32768 tokens).
-        logits = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+        logits = {"logits_to_keep": 1} if "logits_to_keep" in forward_kwargs(model) else {}
         with torch.no_grad():
             model(input_ids, use_cache=False, **logits)
     finally:

@@ -1,4 +1,4 @@
-"""Checks of what a caller hands to generation, made before any work.
+"""Checks of what a caller hands to generation, made before any work, and what a model's forward takes.
 
 ``siftattention.generate``, ``reference_generate`` and ``model.generate`` under ``apply``
 all call ``check_token_inputs`` (and the first two ``check_sampling``), so a bad input is
@@ -9,10 +9,16 @@ has no values to read, a CUDA tensor cannot be read without CUDA).
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Any
 
 import torch
+
+
+def forward_kwargs(model: torch.nn.Module) -> set[str]:
+    """The keyword names ``model.forward`` takes (``logits_to_keep``, ``cache_position``, the cache's name)."""
+    return set(inspect.signature(model.forward).parameters)
 
 
 def _embeddings(model: torch.nn.Module) -> torch.nn.Module | None:

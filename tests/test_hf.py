@@ -5,8 +5,9 @@ import torch
 
 from conftest import tiny_llama, tiny_qwen2
 from siftattention import H2O, Full, Oracle, Sift, TopK, apply
-from siftattention.generation.loop import _cache_kwarg, _forward_kwargs
+from siftattention.generation.loop import _cache_kwarg
 from siftattention.hf import UnsupportedModelError
+from siftattention.inputs import forward_kwargs
 
 
 class _KeepAllSift(Sift):
@@ -182,7 +183,7 @@ def test_teacher_forced_equals_token_by_token_decode(where, request):
         full = torch.log_softmax(_logits(model, ids), -1)
         alpha_tf = handle.stats.alpha.clone()
         cache = DynamicCache(config=model.config)
-        cache_arg = _cache_kwarg(_forward_kwargs(model))
+        cache_arg = _cache_kwarg(forward_kwargs(model))
         steps = []
         with torch.no_grad():
             for i in range(ids.shape[1]):

@@ -1059,6 +1059,19 @@ def persistent_results(config) -> list[dict]:
     return res
 
 
+def three_steps_against_float64(kern, q, k, v, eta, sl, st, tau: float = 0.75) -> dict:
+    """A plan's sparse, dense and warmup steps on CPU inputs, run on the plan's device, against ``ref_range``: kept
+    counts equal (``kept_ref``), the outputs' relative errors and theta's largest relative error."""
+    ref, ref_kept, ref_dense, ref_theta = ref_range(q, k, v, eta, kern.scale, sl, st, False, tau)
+    q, k, v, eta, sl, st = (t.to(kern.device) for t in (q, k, v, eta, sl, st))
+    out, kept = kern.sparse(q, k, v, eta, sl, st)
+    dense = kern.dense(q, k, v, sl, st)
+    warm_out, theta = kern.warmup(q, k, v, tau, sl, st)
+    return dict(kept_ref=bool(torch.equal(kept.cpu(), ref_kept)), err=rel(out.cpu(), ref),
+                dense_err=rel(dense.cpu(), ref_dense), warm_err=rel(warm_out.cpu(), ref_dense),
+                theta_err=float(((theta.cpu().double() - ref_theta).abs() / ref_theta.abs().clamp_min(1e-30)).max()))
+
+
 def capacity_results(config) -> list[dict]:
     """Plans for a larger capacity than the cache (transformers' growing cache: ``hf.plan_capacity``)
     against float64: the sparse, dense and warmup steps read only keys below each row's length."""
@@ -1078,17 +1091,10 @@ def capacity_results(config) -> list[dict]:
         sl = sl.clamp(max=S - 3)
         st = torch.minimum(st, sl - 1)
         eta = range_eta(q, k, D**-0.5, sl, st, gen)
-        ref, ref_kept, ref_dense, ref_theta = ref_range(q, k, v, eta, D**-0.5, sl, st, False, 0.75)
         kern = DecodeKernels.plan(batch=B, q_heads=Hq, kv_heads=Hkv, max_len=plan_capacity(S), head_dim=D, dtype=dtype,
                                   device="cpu", scale=D**-0.5, backend="triton", config=config, max_range=span)
-        out, kept = kern.sparse(q, k, v, eta, sl, st)
-        dense = kern.dense(q, k, v, sl, st)
-        warm_out, theta = kern.warmup(q, k, v, 0.75, sl, st)
-        geo = kern.geometry
         res.append(dict(case=i, dtype=dt, capacity=kern.max_len, span=span, longest=int((sl - st).max()),
-                        splits=(geo["ns1"], geo["ns2"], geo["nsd"]), kept_ref=bool(torch.equal(kept, ref_kept)),
-                        err=rel(out, ref), dense_err=rel(dense, ref_dense), warm_err=rel(warm_out, ref_dense),
-                        theta_err=float(((theta.double() - ref_theta).abs() / ref_theta.abs().clamp_min(1e-30)).max())))
+                        **three_steps_against_float64(kern, q, k, v, eta, sl, st)))
     return res
 
 
@@ -1351,20 +1357,16 @@ def test_cuda_window_plans_match_float64(Hq, Hkv, D, dt):
     sl[0], st[0] = S, 0  # the whole cache
     st[1] = max(0, int(sl[1]) - 2 * W)  # twice the window
     eta = range_eta(q, k, D**-0.5, sl, st, gen)
-    ref, ref_kept, ref_dense, ref_theta = ref_range(q, k, v, eta, D**-0.5, sl, st, False, 0.75)
     kern = DecodeKernels.plan(batch=B, q_heads=Hq, kv_heads=Hkv, max_len=S, head_dim=D, dtype=dtype, device="cuda",
                               scale=D**-0.5, max_range=W)
     whole = DecodeKernels.plan(batch=B, q_heads=Hq, kv_heads=Hkv, max_len=S, head_dim=D, dtype=dtype, device="cuda",
                                scale=D**-0.5)
     assert kern.geometry["ns1"] < whole.geometry["ns1"]
-    args = [t.cuda() for t in (q, k, v)]
-    out, kept = kern.sparse(*args, eta.cuda(), sl.cuda(), st.cuda())
-    dense = kern.dense(*args, sl.cuda(), st.cuda())
-    warm_out, theta = kern.warmup(*args, 0.75, sl.cuda(), st.cuda())
-    assert torch.equal(kept.cpu(), ref_kept)
+    r = three_steps_against_float64(kern, q, k, v, eta, sl, st)
+    assert r["kept_ref"]
     tol = 1e-2
-    assert max(rel(out.cpu(), ref), rel(dense.cpu(), ref_dense), rel(warm_out.cpu(), ref_dense)) < tol
-    assert float(((theta.cpu().double() - ref_theta).abs() / ref_theta.abs().clamp_min(1e-30)).max()) < 1e-4
+    assert max(r["err"], r["dense_err"], r["warm_err"]) < tol
+    assert r["theta_err"] < 1e-4
 
 
 @needs_cuda

@@ -51,8 +51,9 @@ def main() -> None:
         raise SystemExit("order_probe.py needs a CUDA GPU")
     if args.keep_cache:
         bench_generate.free = gc.collect  # fast() frees between its calls through this name
-    if args.no_pdl:
-        DEVICE_CONFIGS[torch.cuda.get_device_name()] = {"pdl": False}
+    if args.no_pdl:  # on top of any tuned overrides the device already has
+        DEVICE_CONFIGS.update({key: {**over, "pdl": False} for key, over in DEVICE_CONFIGS.items()})
+        DEVICE_CONFIGS.setdefault(torch.cuda.get_device_name(), {"pdl": False})
     batch, prompt = (int(x) for x in args.setting.split("x"))
     model, tokenizer = load_model(args.model, dtype=torch.bfloat16, device="cuda")
     ids = windows(prompt_tokens(tokenizer, args.data_file), batch, prompt).cuda()

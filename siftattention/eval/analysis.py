@@ -34,6 +34,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
+from ..inputs import forward_kwargs
 from ..methods.base import Method, Rows, Selection
 from ..powerlaw import fit_power_law, quantile_of_sorted
 
@@ -247,16 +248,14 @@ def record_series(
         for i, layer in enumerate(_decoder_layers(model)):
             hooks.append(layer.register_forward_hook(lambda *_, i=i: on_layer(i)))
     device = next(model.parameters()).device
+    logits = {"logits_to_keep": 1} if "logits_to_keep" in forward_kwargs(model) else {}  # the last position's only
     per_window: list[np.ndarray] = []
     counts: np.ndarray | None = None
     try:
         with apply(model, recorder) as handle, torch.inference_mode():
             for i in range(windows.shape[0]):
                 ids = windows[i : i + 1].to(device)
-                try:
-                    model(input_ids=ids, use_cache=False, logits_to_keep=1)
-                except TypeError:  # a model without logits_to_keep
-                    model(input_ids=ids, use_cache=False)
+                model(input_ids=ids, use_cache=False, **logits)
                 layers = sorted(handle.states)
                 per_window.append(np.stack([handle.states[l].series()[0] for l in layers]))  # [L, H, T, taus]
                 if counts is None:

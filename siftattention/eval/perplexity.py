@@ -72,9 +72,10 @@ def token_nll_after_prompt(model: torch.nn.Module, window: torch.Tensor, prompt_
         prompt = model(window[:, :prompt_len], use_cache=True)
     finally:
         handle.decoding, handle.prompt_len = False, None
-    from ..generation.loop import _cache_kwarg, _forward_kwargs
+    from ..generation.loop import _cache_kwarg
+    from ..inputs import forward_kwargs
 
-    cache = {_cache_kwarg(_forward_kwargs(model)): prompt.past_key_values}
+    cache = {_cache_kwarg(forward_kwargs(model)): prompt.past_key_values}
     logits = model(window[:, prompt_len:], use_cache=True, **cache).logits[0, :-1].float()
     return torch.nn.functional.cross_entropy(logits, window[0, prompt_len + 1:], reduction="none").cpu()
 

@@ -123,16 +123,20 @@ class FixedLayer(CacheLayerMixin):
         return self.max_len
 
 
+def layer_kinds(config: Any) -> list[str]:
+    """The attention kind of each decoder layer of a model config ("full_attention", "sliding_attention", ...)."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    return list(getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers)
+
+
 class FixedCache(Cache):
     """transformers ``Cache`` of ``FixedLayer``s: one per decoder layer of ``config`` (``int8_keys``: each
     with an int8 copy of its keys, ``"row"`` (or True) or ``"channel"``)."""
 
     def __init__(self, config: Any, max_len: int, int8_keys: bool | str = False) -> None:
-        text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-        layer_types = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
         self.position = WritePosition()
         super().__init__(layers=[FixedLayer(self.position, max_len, kind == "sliding_attention", int8_keys)
-                                 for kind in layer_types])
+                                 for kind in layer_kinds(config)])
         self.max_len = max_len
 
     def finish_prompt(self, starts: torch.Tensor) -> None:

@@ -14,7 +14,6 @@ at the same cache position.
 
 from __future__ import annotations
 
-import inspect
 import os
 import shutil
 import time
@@ -26,7 +25,7 @@ import torch
 
 from ..attention import StepLog
 from ..hf import SiftHandle, SiftStats, apply
-from ..inputs import check_sampling, check_token_id, check_token_inputs
+from ..inputs import check_sampling, check_token_id, check_token_inputs, forward_kwargs
 from ..methods import Full
 from ..methods.base import KeyRange, Method, check_int, state_tensors
 from ..models import warn_beyond_positions
@@ -205,10 +204,6 @@ def _compile_problem(device: torch.device) -> str | None:
     return f"torch.compile needs a C++ compiler on the CPU and found none ({name})"
 
 
-def _forward_kwargs(model: torch.nn.Module) -> set[str]:
-    return set(inspect.signature(model.forward).parameters)
-
-
 def _cache_kwarg(accepts: set[str]) -> str:
     """The forward's name for the cache: ``cache`` from transformers 5.24 (the old name warns)."""
     return "cache" if "cache" in accepts else "past_key_values"
@@ -241,7 +236,7 @@ class _Loop:
         self.ctx = DecodeContext(batch, device)
         self.ctx.key_copy = self.cache.key_copy
         self.ctx.captures = use_graphs
-        self.accepts = _forward_kwargs(model)
+        self.accepts = forward_kwargs(model)
         self.cache_arg = _cache_kwarg(self.accepts)
         self.tokens = torch.zeros(batch, dtype=torch.long, device=device)
         self.positions = torch.zeros(batch, dtype=torch.long, device=device)
